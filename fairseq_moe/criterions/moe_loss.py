@@ -1,0 +1,65 @@
+"""The MoE part of a criterion: the weighted router losses and the per-interval MoE metrics.
+
+Shared by moe_cross_entropy and moe_label_smoothed_cross_entropy, which add it to their parent's loss.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import metrics
+from fairseq.dataclass import ChoiceEnum
+
+from ..models.moe_ffn import moe_blocks
+
+METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "moe_entropy")
+
+
+@dataclass
+class MoELossConfig:
+    moe_gate_loss_wt: float = field(default=0.01, metadata={"help": "weight of the balance loss (Switch: 0.01)"})
+    moe_gate_loss_combine_method: ChoiceEnum(["average", "sum"]) = field(
+        default="average", metadata={"help": "combine the balance losses of the MoE layers by average or sum"}
+    )
+    moe_gate_loss_transform: ChoiceEnum(["none", "neg_log"]) = field(
+        default="none", metadata={"help": "transform of the combined balance loss before weighting"}
+    )
+    moe_z_loss_wt: float = field(default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE: 0.001)"})
+
+
+def check_moe_loss_config(cfg):
+    for name in ("moe_gate_loss_wt", "moe_z_loss_wt"):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def add_moe_loss(cfg, model, loss, sample_size, logging_output):
+    """loss + weighted router losses of the latest forward; fills the MoE metrics in logging_output."""
+    auxes = [block.last_aux for _, block in moe_blocks(model) if block.last_aux is not None]
+    if not auxes:
+        return loss
+    balance = torch.stack([a.balance_loss for a in auxes])
+    z = torch.stack([a.z_loss for a in auxes]).mean()
+    gate_loss = balance.mean() if cfg.moe_gate_loss_combine_method == "average" else balance.sum()
+    if cfg.moe_gate_loss_transform == "neg_log":
+        gate_loss = -torch.log(gate_loss)
+    # The task loss is a sum over sample_size items (fairseq divides by it later): scale alike.
+    loss = loss + sample_size * (cfg.moe_gate_loss_wt * gate_loss + cfg.moe_z_loss_wt * z)
+    n = len(auxes)
+    # Metrics are means over layers, weighted by sample_size so that reduce_metrics can average.
+    logging_output["moe_balance_loss"] = balance.detach().mean().item() * sample_size
+    logging_output["moe_z_loss"] = z.detach().item() * sample_size
+    logging_output["moe_dropped"] = sum(a.dropped_fraction for a in auxes) / n * sample_size
+    logging_output["moe_imbalance"] = sum(a.imbalance for a in auxes) / n * sample_size
+    logging_output["moe_entropy"] = sum(a.entropy.item() for a in auxes) / n * sample_size
+    return loss
+
+
+def reduce_moe_metrics(logging_outputs):
+    sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+    if not sample_size:
+        return
+    for key in METRICS:
+        if any(key in log for log in logging_outputs):
+            total = sum(log.get(key, 0) for log in logging_outputs)
+            metrics.log_scalar(key, total / sample_size, sample_size, round=4)

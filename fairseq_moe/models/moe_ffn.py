@@ -1,0 +1,89 @@
+"""The bridge between fairseq's transformer layers and MoELayer.
+
+fairseq's layers compute their FFN as fc2(activation_dropout(activation_fn(fc1(x)))). An MoE layer
+overrides one hook, build_fc1, to return MoEFeedForward (which does the whole FFN: gate, experts with
+their activation and activation dropout) and makes the other three steps identities. The layer's
+forward, residual and layer norms stay fairseq's own, so they cannot drift from it.
+"""
+from torch import nn
+
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+
+from ..moe import MoEConfig, MoELayer
+
+
+class MoEFeedForward(nn.Module):
+    """MoELayer for fairseq's time-major activations: x [T, B, C] -> [T, B, C].
+
+    Keeps the aux of its latest forward in `last_aux` for the criterion and the task to read:
+    fairseq's encoder and decoder have no channel to return per-layer losses through.
+    """
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.moe = MoELayer(cfg)
+        self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
+        self.last_aux = None
+
+    def forward(self, x):
+        mask = self.padding_mask
+        if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
+            mask = None  # incremental decoding: the step's tokens have no padding of their own
+        y, self.last_aux = self.moe(x, None if mask is None else mask.t())
+        return y
+
+
+def _identity(x):
+    return x
+
+
+def _make_ffn_moe(layer):
+    """Turn a built fairseq layer's FFN into the MoE block (see the module docstring)."""
+    layer.activation_fn = _identity
+    layer.activation_dropout_module = nn.Identity()
+    layer.fc2 = nn.Identity()
+
+
+class MoEEncoderLayer(TransformerEncoderLayerBase):
+    def __init__(self, cfg, moe_cfg: MoEConfig, use_pad_mask=False, return_fc=False):
+        self.moe_cfg, self.use_pad_mask = moe_cfg, use_pad_mask
+        super().__init__(cfg, return_fc=return_fc)
+        _make_ffn_moe(self)
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        return MoEFeedForward(self.moe_cfg)
+
+    def forward(self, x, encoder_padding_mask, attn_mask=None):
+        self.fc1.padding_mask = encoder_padding_mask if self.use_pad_mask else None
+        try:
+            return super().forward(x, encoder_padding_mask, attn_mask)
+        finally:
+            self.fc1.padding_mask = None
+
+
+class MoEDecoderLayer(TransformerDecoderLayerBase):
+    def __init__(self, cfg, moe_cfg: MoEConfig, use_pad_mask=False, no_encoder_attn=False):
+        self.moe_cfg, self.use_pad_mask = moe_cfg, use_pad_mask
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn)
+        _make_ffn_moe(self)
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        return MoEFeedForward(self.moe_cfg)
+
+    def forward(self, x, *args, self_attn_padding_mask=None, **kwargs):
+        self.fc1.padding_mask = self_attn_padding_mask if self.use_pad_mask else None
+        try:
+            return super().forward(x, *args, self_attn_padding_mask=self_attn_padding_mask, **kwargs)
+        finally:
+            self.fc1.padding_mask = None
+
+
+def moe_blocks(model):
+    """(name, MoEFeedForward) for every MoE block of a model, DDP wrappers' prefixes removed."""
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoEFeedForward):
+            while name.startswith("module."):
+                name = name[len("module."):]
+            blocks.append((name, module))
+    return blocks

@@ -1,0 +1,197 @@
+"""The `moe_transformer` model: fairseq's transformer with MoE blocks in every N-th layer.
+
+Flags follow fairseq's moe branch where it has them. Layer i (0-based) of a side is MoE when
+freq > 0 and (i + 1) % freq == 0, freq being --encoder-moe-freq / --decoder-moe-freq or else
+--moe-freq (the moe branch's rule).
+"""
+import logging
+
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase, TransformerModel
+from fairseq.models.transformer import transformer_legacy as dense
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
+from ..moe import GATES, MoEConfig
+from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
+
+logger = logging.getLogger(__name__)
+
+
+def add_moe_args(parser):
+    """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs)."""
+    add = parser.add_argument
+    add("--moe-expert-count", type=int, metavar="E", help="experts per MoE layer")
+    add("--moe-freq", type=int, metavar="N",
+        help="make every N-th layer MoE on both sides (0: none unless a side's own freq is set)")
+    add("--encoder-moe-freq", type=int, metavar="N", help="every N-th encoder layer is MoE (overrides --moe-freq)")
+    add("--decoder-moe-freq", type=int, metavar="N", help="every N-th decoder layer is MoE (overrides --moe-freq)")
+    add("--moe-expert-ffn-dim", type=int, metavar="F",
+        help="hidden size of each expert (default: --encoder/decoder-ffn-embed-dim of the side)")
+    add("--moe-top-k", type=int, metavar="K", help="experts per token: 1 is Switch, 2 is GShard (default 2)")
+    add("--moe-top1-expert", action="store_true", help="alias of --moe-top-k 1 (fairseq's moe branch)")
+    add("--moe-capacity-factor", type=float, metavar="CF",
+        help="training capacity per expert = ceil(CF * k * tokens / experts); 0 = dropless (default 1.0)")
+    add("--moe-eval-capacity-token-fraction", type=float, metavar="FR",
+        help="capacity at eval = ceil(FR * tokens); < 0: same as training; 0: dropless (default 0.25)")
+    add("--moe-gate", choices=sorted(GATES), help="the router (default linear)")
+    add("--moe-gating-use-fp32", action="store_true",
+        help="compute the gate projection in fp32 under fp16/bf16 training (the default)")
+    add("--no-moe-gating-use-fp32", dest="moe_gating_use_fp32", action="store_false",
+        help="compute the gate projection in the model dtype (softmax and top-k stay fp32)")
+    add("--use-moe-pad-mask", action="store_true",
+        help="keep padding tokens out of routing, capacity and the balance loss")
+
+
+def moe_config(args, side):
+    """The MoEConfig of one side ('encoder' or 'decoder') from the parsed flags."""
+    top_k = args.moe_top_k
+    if args.moe_top1_expert:
+        if top_k not in (None, 1):
+            raise ValueError(f"--moe-top1-expert conflicts with --moe-top-k {top_k}")
+        top_k = 1
+    return MoEConfig(
+        model_dim=getattr(args, f"{side}_embed_dim"),
+        ffn_dim=args.moe_expert_ffn_dim or getattr(args, f"{side}_ffn_embed_dim"),
+        num_experts=args.moe_expert_count,
+        top_k=2 if top_k is None else top_k,
+        capacity_factor=args.moe_capacity_factor,
+        eval_capacity_token_fraction=args.moe_eval_capacity_token_fraction,
+        gate=args.moe_gate,
+        gate_fp32=args.moe_gating_use_fp32,
+        activation=getattr(args, "activation_fn", "relu"),
+        activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
+    ).validate()
+
+
+def moe_layer_ids(args, side):
+    """Indices of the MoE layers of a side."""
+    freq = getattr(args, f"{side}_moe_freq") or args.moe_freq
+    if freq is None or freq < 0:
+        raise ValueError(f"--{side}-moe-freq / --moe-freq must be >= 0, got {freq}")
+    layers = getattr(args, f"{side}_layers")
+    return [i for i in range(layers) if freq and (i + 1) % freq == 0]
+
+
+def _wrap(layer, cfg):
+    if cfg.checkpoint_activations:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return layer
+
+
+class MoETransformerEncoder(TransformerEncoderBase):
+    def build_encoder_layer(self, cfg):
+        # fairseq builds the layers in order without passing the index: count them here.
+        index = self._built = getattr(self, "_built", -1) + 1
+        if index not in cfg.moe_encoder_layer_ids:
+            return super().build_encoder_layer(cfg)
+        moe_cfg = moe_config(cfg, "encoder")
+        return _wrap(MoEEncoderLayer(cfg, moe_cfg, cfg.use_moe_pad_mask, return_fc=self.return_fc), cfg)
+
+
+class MoETransformerDecoder(TransformerDecoderBase):
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        index = self._built = getattr(self, "_built", -1) + 1
+        if index not in cfg.moe_decoder_layer_ids:
+            return super().build_decoder_layer(cfg, no_encoder_attn)
+        moe_cfg = moe_config(cfg, "decoder")
+        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.use_moe_pad_mask, no_encoder_attn), cfg)
+
+
+@register_model("moe_transformer")
+class MoETransformerModel(TransformerModel):
+    """Transformer whose FFN is a Mixture of Experts in every N-th encoder/decoder layer."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_moe_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        moe_base_architecture(args)
+        # Check everything before a single weight is built: a bad flag fails here, named.
+        args.moe_encoder_layer_ids = moe_layer_ids(args, "encoder")
+        args.moe_decoder_layer_ids = moe_layer_ids(args, "decoder")
+        if not args.moe_encoder_layer_ids and not args.moe_decoder_layer_ids:
+            raise ValueError(
+                f"--moe-freq {args.moe_freq} (--encoder-moe-freq {args.encoder_moe_freq}, "
+                f"--decoder-moe-freq {args.decoder_moe_freq}) puts no MoE layer in "
+                f"{args.encoder_layers} encoder / {args.decoder_layers} decoder layers"
+            )
+        for side in ("encoder", "decoder"):
+            if getattr(args, f"moe_{side}_layer_ids"):
+                moe_config(args, side)
+        model = super().build_model(args, task)
+        logger.info(
+            "MoE layers: encoder %s, decoder %s; %d experts, top-%d",
+            args.moe_encoder_layer_ids, args.moe_decoder_layer_ids,
+            args.moe_expert_count, moe_blocks(model)[0][1].moe.cfg.top_k,
+        )
+        return model
+
+    @classmethod
+    def build_encoder(cls, cfg, src_dict, embed_tokens):
+        return MoETransformerEncoder(cfg, src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return MoETransformerDecoder(
+            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
+        )
+
+    def forward(self, *args, **kwargs):
+        # Forget the previous batch's aux so that a layer skipped now (layerdrop) is not counted.
+        for _, block in moe_blocks(self):
+            block.last_aux = None
+        return super().forward(*args, **kwargs)
+
+
+def moe_base_architecture(args):
+    args.moe_expert_count = getattr(args, "moe_expert_count", 8)
+    args.moe_freq = getattr(args, "moe_freq", 2)
+    args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 0)
+    args.decoder_moe_freq = getattr(args, "decoder_moe_freq", 0)
+    args.moe_expert_ffn_dim = getattr(args, "moe_expert_ffn_dim", None)
+    args.moe_top_k = getattr(args, "moe_top_k", None)
+    args.moe_top1_expert = getattr(args, "moe_top1_expert", False)
+    args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.0)
+    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.25)
+    args.moe_gate = getattr(args, "moe_gate", "linear")
+    args.moe_gating_use_fp32 = getattr(args, "moe_gating_use_fp32", True)
+    args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer")
+def moe_transformer(args):
+    dense.base_architecture(args)
+    moe_base_architecture(args)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer_tiny")
+def moe_transformer_tiny(args):
+    """For CPU runs: 3+3 layers, d=128, ffn 512, 4 heads; layer 2 of each side is MoE."""
+    for side in ("encoder", "decoder"):
+        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 128))
+        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 512))
+        setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 3))
+        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
+    args.moe_expert_count = getattr(args, "moe_expert_count", 4)
+    moe_transformer(args)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer_iwslt_de_en")
+def moe_transformer_iwslt_de_en(args):
+    dense.transformer_iwslt_de_en(args)
+    moe_base_architecture(args)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer_wmt_en_de")
+def moe_transformer_wmt_en_de(args):
+    dense.transformer_wmt_en_de(args)
+    moe_base_architecture(args)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer_vaswani_wmt_en_de_big")
+def moe_transformer_vaswani_wmt_en_de_big(args):
+    dense.transformer_vaswani_wmt_en_de_big(args)
+    moe_base_architecture(args)

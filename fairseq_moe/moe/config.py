@@ -1,0 +1,84 @@
+"""MoEConfig: every knob of one MoE layer, validated in one place.
+
+Letter legend used across fairseq_moe/moe: T tokens, d model dim, f expert ffn dim,
+E experts, k experts per token, C capacity (assignments an expert may take).
+"""
+import math
+from dataclasses import dataclass, fields
+
+# The fairseq flag that sets each field, so that an error names what the user typed.
+FLAGS = {
+    "model_dim": "--encoder-embed-dim/--decoder-embed-dim",
+    "ffn_dim": "--moe-expert-ffn-dim",
+    "num_experts": "--moe-expert-count",
+    "top_k": "--moe-top-k",
+    "capacity_factor": "--moe-capacity-factor",
+    "eval_capacity_token_fraction": "--moe-eval-capacity-token-fraction",
+    "gate": "--moe-gate",
+    "gate_fp32": "--moe-gating-use-fp32",
+    "activation": "--activation-fn",
+    "activation_dropout": "--activation-dropout",
+}
+
+ACTIVATIONS = ("relu", "gelu", "silu")
+
+
+@dataclass
+class MoEConfig:
+    """Settings of one MoE layer (see FLAGS for the fairseq flag behind each field)."""
+
+    model_dim: int
+    ffn_dim: int
+    num_experts: int
+    top_k: int = 2
+    # C = ceil(capacity_factor * k * T / E) in training; 0 means dropless (no token is dropped).
+    capacity_factor: float = 1.0
+    # At eval: < 0 uses the training capacity, 0 is dropless, in (0, 1] gives C = ceil(fraction * T).
+    eval_capacity_token_fraction: float = 0.25
+    gate: str = "linear"
+    # Compute the gate projection in fp32 even when the model runs in fp16/bf16.
+    gate_fp32: bool = True
+    activation: str = "relu"
+    activation_dropout: float = 0.0
+
+    def validate(self):
+        """Raise ValueError naming the flag for the first bad value; return self."""
+        from .gates import GATES  # late import: gates.py imports nothing of config
+
+        def bad(name, why):
+            raise ValueError(f"{FLAGS[name]} ({name}) {why}, got {getattr(self, name)!r}")
+
+        for name in ("model_dim", "ffn_dim", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(name, "must be an integer >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"--moe-top-k (top_k={self.top_k}) must not exceed --moe-expert-count "
+                f"(num_experts={self.num_experts})"
+            )
+        if not math.isfinite(self.capacity_factor) or self.capacity_factor < 0:
+            bad("capacity_factor", "must be >= 0 (0 = dropless)")
+        frac = self.eval_capacity_token_fraction
+        if not math.isfinite(frac) or frac > 1:
+            bad("eval_capacity_token_fraction", "must be < 0 (as training), 0 (dropless) or in (0, 1]")
+        if self.gate not in GATES:
+            bad("gate", f"must be one of {sorted(GATES)}")
+        if self.activation not in ACTIVATIONS:
+            bad("activation", f"must be one of {list(ACTIVATIONS)} in an MoE layer")
+        if not 0.0 <= self.activation_dropout < 1.0:
+            bad("activation_dropout", "must be in [0, 1)")
+        return self
+
+    def capacity(self, num_tokens, training):
+        """Assignments each expert may take for num_tokens tokens, or None for dropless."""
+        if not training and self.eval_capacity_token_fraction >= 0:
+            if self.eval_capacity_token_fraction == 0:
+                return None
+            return math.ceil(self.eval_capacity_token_fraction * num_tokens)
+        if self.capacity_factor == 0:
+            return None
+        return math.ceil(self.capacity_factor * self.top_k * num_tokens / self.num_experts)
+
+    def to_dict(self):
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,55 @@
+"""Gates: a gate maps tokens x[T, d] to router logits[T, E], nothing more.
+
+Softmax, top-k, capacity and the losses live once in routing.py and losses.py, so no gate can
+compute them differently. A new gate is one class here plus one GATES entry; the contract tests in
+tests/moe/test_gates.py run every registered gate.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATES = {}
+
+
+def register_gate(name):
+    def wrap(cls):
+        GATES[name] = cls
+        return cls
+
+    return wrap
+
+
+@register_gate("linear")
+class LinearGate(nn.Module):
+    """logits = x @ weight.T, weight [E, d] kept in fp32 (GShard, Switch, fairseq's moe branch)."""
+
+    def __init__(self, model_dim, num_experts, fp32=True):
+        super().__init__()
+        self.fp32 = fp32
+        self.weight = nn.Parameter(torch.empty(num_experts, model_dim, dtype=torch.float32))
+        # Same init as nn.Linear(d, E, bias=False), the gate of fairseq's moe branch.
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight.to(x.dtype)).float()
+
+
+@register_gate("cosine")
+class CosineGate(nn.Module):
+    """logits = cos(x W_proj, e_i) / temperature: the X-MoE gate, stable when E is large."""
+
+    def __init__(self, model_dim, num_experts, fp32=True, proj_dim=256, temperature=0.07):
+        super().__init__()
+        self.fp32 = fp32
+        self.temperature = temperature
+        self.proj = nn.Linear(model_dim, proj_dim, bias=False)
+        # weight [E, proj_dim]: one learned direction per expert.
+        self.weight = nn.Parameter(torch.empty(num_experts, proj_dim, dtype=torch.float32))
+        nn.init.orthogonal_(self.weight, gain=0.32)
+
+    def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
+        dtype = torch.float32 if self.fp32 else x.dtype
+        h = F.normalize(F.linear(x.to(dtype), self.proj.weight.to(dtype)).float(), dim=-1)
+        return F.linear(h, F.normalize(self.weight.float(), dim=-1)) / self.temperature

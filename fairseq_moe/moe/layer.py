@@ -1,0 +1,95 @@
+"""MoELayer: a sparse replacement for a transformer FFN block, usable from plain PyTorch.
+
+    layer = MoELayer(MoEConfig(model_dim=512, ffn_dim=2048, num_experts=8, top_k=2))
+    y, aux = layer(x)                 # x: [T, d] or [B, T, d]; y has x's shape
+    loss = task_loss + 0.01 * aux.balance_loss + 0.001 * aux.z_loss
+
+Data path: gate -> route (top-k, capacity) -> permute -> grouped MLP -> unpermute.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import permute, unpermute
+
+from .config import MoEConfig
+from .experts import Experts
+from .gates import GATES
+from .losses import balance_loss, gate_entropy, router_z_loss
+from .routing import route
+
+
+@dataclass
+class MoEAux:
+    """What one forward of a layer returns besides y. Losses carry grad; statistics do not."""
+
+    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss
+    z_loss: torch.Tensor  # scalar, router z-loss
+    demand: torch.Tensor  # [E] long, assignments per expert before dropping
+    counts: torch.Tensor  # [E] long, assignments per expert after dropping
+    num_tokens: int  # tokens routed (padding excluded)
+    top_k: int
+    entropy: torch.Tensor  # scalar, mean router entropy (nats)
+
+    @property
+    def dropped_fraction(self):
+        """Fraction of the T*k assignments that exceeded capacity."""
+        total = self.num_tokens * self.top_k
+        return 1.0 - self.counts.sum().item() / total if total else 0.0
+
+    @property
+    def imbalance(self):
+        """max / mean of the per-expert demand; 1.0 is a perfectly even load."""
+        demand = self.demand.float()
+        return (demand.max() / demand.mean()).item() if self.num_tokens else 1.0
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.gate = GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32)
+        self.experts = Experts(
+            cfg.num_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout
+        )
+
+    def forward(self, x, padding_mask=None):
+        """x: [..., d]; padding_mask: bool [...] (True = padding, skipped by routing and losses).
+
+        Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
+        """
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [T_all, d]
+        keep = None
+        if padding_mask is not None:
+            if padding_mask.shape != shape[:-1]:
+                raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
+            keep = (~padding_mask.reshape(-1)).nonzero().squeeze(1)  # [T]
+            x = x.index_select(0, keep)
+        T = x.shape[0]
+
+        logits = self.gate(x)  # [T, E] fp32
+        r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training))
+        rows = permute(x, r.token_index)  # [N, d] sorted by expert
+        rows = self.experts(rows, r.counts)  # [N, d]
+        y = unpermute(rows, r.token_index, r.weights, T)  # [T, d]
+
+        if keep is not None:
+            y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
+        aux = self._aux(logits, r, T)
+        return y.view(shape), aux
+
+    def _aux(self, logits, r, T):
+        if T == 0:  # nothing routed: zero losses that still belong to the graph
+            zero = self.gate.weight.sum() * 0.0
+            return MoEAux(zero, zero, r.demand, r.counts, 0, self.cfg.top_k, zero.detach())
+        return MoEAux(
+            balance_loss=balance_loss(r.probs, r.top_experts),
+            z_loss=router_z_loss(logits),
+            demand=r.demand.detach(),
+            counts=r.counts.detach(),
+            num_tokens=T,
+            top_k=self.cfg.top_k,
+            entropy=gate_entropy(r.probs.detach()),
+        )

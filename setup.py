@@ -1,0 +1,25 @@
+"""fairseq-moe: Mixture-of-Experts transformers as a fairseq plugin."""
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq-moe",
+    version="0.1.0",
+    description="Mixture-of-Experts transformers for fairseq: a plugin (--user-dir fairseq_moe)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "kernels", "kernels.*"]),
+    install_requires=[
+        "torch>=2.1",
+        # fairseq 0.12.2 does not install on Python 3.11; ve-fairseq ships fairseq 0.12.3 for it.
+        'fairseq>=0.12.2; python_version < "3.11"',
+        've-fairseq==0.12.3; python_version >= "3.11"',
+        'triton; platform_system == "Linux"',
+        "hydra-core>=1.0.7",
+        "numpy",
+        "sacrebleu>=2.0",
+        "sentencepiece",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+)
