@@ -1,0 +1,8 @@
+import pytest
+
+from .helpers import binarise_toy_corpus
+
+
+@pytest.fixture(scope="session")
+def data_bin(tmp_path_factory):
+    return binarise_toy_corpus(tmp_path_factory.mktemp("corpus"))

@@ -1,0 +1,22 @@
+"""fairseq 0.12 drops the last batch when its size is not a multiple of --required-batch-size-multiple;
+the plugin keeps it, so that generation translates every sentence and training sees every example."""
+import numpy as np
+import pytest
+from fairseq.data import data_utils
+
+import fairseq_moe  # noqa: F401  (applies the fix)
+
+
+@pytest.mark.parametrize("use_vec", [False, True])
+@pytest.mark.parametrize("n, max_sentences, max_tokens, mult", [(20, 8, None, 8), (37, None, 60, 8), (5, 8, None, 8), (16, 8, None, 8)])
+def test_every_index_batched_once(use_vec, n, max_sentences, max_tokens, mult):
+    lengths = np.random.RandomState(n).randint(1, 6, size=n).astype(np.int64)
+    indices = np.argsort(lengths, kind="stable").astype(np.int64)
+    batches = data_utils.batch_by_size(
+        indices, lambda i: lengths[i], num_tokens_vec=lengths[indices] if use_vec else None,
+        max_tokens=max_tokens, max_sentences=max_sentences, required_batch_size_multiple=mult,
+    )
+    assert np.array_equal(np.concatenate(batches), indices)
+    for b in batches:
+        assert max_sentences is None or len(b) <= max_sentences
+        assert max_tokens is None or len(b) * lengths[b].max() <= max_tokens

@@ -1,0 +1,69 @@
+"""Flags reach the MoE layers; every bad setting fails at build time with the flag's name."""
+import pytest
+
+from fairseq_moe.models.moe_ffn import moe_blocks
+
+from .helpers import build, parse_train, train_argv
+
+
+def blocks(data_bin, tmp_path, *extra):
+    _, model, _, _ = build(train_argv(data_bin, tmp_path, *extra))
+    return dict(moe_blocks(model))
+
+
+def test_placement_and_settings(data_bin, tmp_path):
+    b = blocks(data_bin, tmp_path, "--encoder-layers", "4", "--moe-freq", "2", "--decoder-moe-freq", "1",
+               "--moe-expert-count", "3", "--moe-top-k", "3", "--moe-expert-ffn-dim", "24",
+               "--moe-capacity-factor", "0", "--moe-eval-capacity-token-fraction", "-1")
+    assert sorted(b) == ["decoder.layers.0.fc1", "decoder.layers.1.fc1",
+                         "encoder.layers.1.fc1", "encoder.layers.3.fc1"]
+    cfg = b["encoder.layers.1.fc1"].moe.cfg
+    assert (cfg.num_experts, cfg.top_k, cfg.ffn_dim, cfg.capacity_factor) == (3, 3, 24, 0.0)
+    assert cfg.eval_capacity_token_fraction == -1
+    assert b["encoder.layers.1.fc1"].moe.experts.w1.shape == (3, 32, 24)
+
+
+def test_defaults_and_aliases(data_bin, tmp_path):
+    cfg = blocks(data_bin, tmp_path)["encoder.layers.1.fc1"].moe.cfg
+    assert (cfg.top_k, cfg.ffn_dim, cfg.gate, cfg.gate_fp32) == (2, 64, "linear", True)
+    cfg = blocks(data_bin, tmp_path, "--moe-top1-expert", "--no-moe-gating-use-fp32",
+                 "--moe-gate", "cosine")["decoder.layers.1.fc1"].moe.cfg
+    assert (cfg.top_k, cfg.gate, cfg.gate_fp32) == (1, "cosine", False)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (("--moe-top-k", "5", "--moe-expert-count", "4"), "--moe-top-k"),
+    (("--moe-top-k", "0"), "--moe-top-k"),
+    (("--moe-expert-count", "0"), "--moe-expert-count"),
+    (("--moe-capacity-factor", "-1"), "--moe-capacity-factor"),
+    (("--moe-eval-capacity-token-fraction", "1.5"), "--moe-eval-capacity-token-fraction"),
+    (("--moe-freq", "3"), "--moe-freq"),  # 2 layers per side: (i + 1) % 3 never 0
+    (("--moe-freq", "0"), "--moe-freq"),
+    (("--moe-top1-expert", "--moe-top-k", "2"), "--moe-top1-expert"),
+    (("--activation-fn", "tanh"), "--activation-fn"),
+    (("--moe-gate-loss-wt", "-0.1"), "--moe-gate-loss-wt"),
+    (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
+    (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
+])
+def test_bad_settings_name_the_flag(data_bin, tmp_path, extra, flag):
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        build(train_argv(data_bin, tmp_path, *extra))
+    assert flag in str(err.value)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (("--moe-gate", "nope"), "--moe-gate"),
+    (("--moe-gate-loss-combine-method", "median"), "--moe-gate-loss-combine-method"),
+    (("--moe-expert-count", "two"), "--moe-expert-count"),
+])
+def test_unknown_choices_rejected_by_the_parser(data_bin, tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit):
+        parse_train(train_argv(data_bin, tmp_path, *extra))
+    assert flag in capsys.readouterr().err
+
+
+def test_moe_task_needs_moe_layers(data_bin, tmp_path):
+    argv = train_argv(data_bin, tmp_path)
+    argv[argv.index("moe_transformer_tiny")] = "transformer"
+    with pytest.raises(ValueError, match="moe_translation"):
+        build(argv)

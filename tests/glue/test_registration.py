@@ -1,0 +1,15 @@
+"""The plugin registers its model, architectures, criterions and task with fairseq."""
+from fairseq.criterions import CRITERION_REGISTRY
+from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq.tasks import TASK_REGISTRY
+
+import fairseq_moe  # noqa: F401
+
+
+def test_everything_registered():
+    assert "moe_transformer" in MODEL_REGISTRY
+    for arch in ("moe_transformer", "moe_transformer_tiny", "moe_transformer_iwslt_de_en",
+                 "moe_transformer_wmt_en_de", "moe_transformer_vaswani_wmt_en_de_big"):
+        assert ARCH_MODEL_REGISTRY[arch].__name__ == "MoETransformerModel", arch
+    assert {"moe_cross_entropy", "moe_label_smoothed_cross_entropy"} <= set(CRITERION_REGISTRY)
+    assert "moe_translation" in TASK_REGISTRY
