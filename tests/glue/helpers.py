@@ -2,6 +2,8 @@
 import os
 import random
 
+import torch
+
 import fairseq_moe
 
 USER_DIR = os.path.dirname(os.path.abspath(fairseq_moe.__file__))
@@ -61,6 +63,7 @@ def build(argv):
     from fairseq import tasks
 
     args = parse_train(argv)
+    torch.manual_seed(args.seed)  # as fairseq-train does: the same argv builds the same weights
     task = tasks.setup_task(args)
     model = task.build_model(args)
     criterion = task.build_criterion(args)

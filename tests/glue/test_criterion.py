@@ -1,0 +1,77 @@
+"""The criterions add exactly the weighted router losses; metrics, pad mask and eval capacity."""
+import math
+
+import pytest
+import torch
+
+from fairseq_moe.models.moe_ffn import moe_blocks
+
+from .helpers import build, train_argv
+
+
+def first_batch(task, args):
+    task.load_dataset("valid")
+    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_sentences=16,
+                                  required_batch_size_multiple=1, seed=1)
+    return next(iter(itr.next_epoch_itr(shuffle=False)))
+
+
+def losses(data_bin, tmp_path, criterion_name, *extra):
+    argv = train_argv(data_bin, tmp_path, *extra)
+    argv[argv.index("--criterion") + 1] = criterion_name
+    if criterion_name == "moe_cross_entropy":
+        i = argv.index("--label-smoothing")
+        del argv[i:i + 2]
+    task, model, criterion, args = build(argv)
+    model.eval()  # no dropout: two builds with the same seed give the same numbers
+    sample = first_batch(task, args)
+    loss, sample_size, log = criterion(model, sample)
+    auxes = [b.last_aux for _, b in moe_blocks(model)]
+    return loss, sample_size, log, auxes
+
+
+@pytest.mark.parametrize("criterion", ["moe_label_smoothed_cross_entropy", "moe_cross_entropy"])
+@pytest.mark.parametrize("combine, transform", [("average", "none"), ("sum", "none"), ("average", "neg_log")])
+def test_loss_is_task_loss_plus_weighted_router_losses(data_bin, tmp_path, criterion, combine, transform):
+    common = (criterion, "--moe-gate-loss-combine-method", combine, "--moe-gate-loss-transform", transform)
+    base, sample_size, base_log, _ = losses(data_bin, tmp_path, *common, "--moe-gate-loss-wt", "0")
+    loss, sample_size2, log, auxes = losses(data_bin, tmp_path, *common, "--moe-gate-loss-wt", "0.5",
+                                            "--moe-z-loss-wt", "0.1")
+    assert sample_size == sample_size2 and len(auxes) == 2
+    balance = [a.balance_loss.item() for a in auxes]
+    gate = sum(balance) if combine == "sum" else sum(balance) / 2
+    if transform == "neg_log":
+        gate = -math.log(gate)
+    z = sum(a.z_loss.item() for a in auxes) / 2
+    expected = base.item() + sample_size * (0.5 * gate + 0.1 * z)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    # The logged loss is the task's own; the router terms are logged beside it.
+    assert log["loss"].item() == pytest.approx(base_log["loss"].item(), rel=1e-6)
+    assert log["moe_balance_loss"] == pytest.approx(sum(balance) / 2 * sample_size, rel=1e-5)
+    assert log["moe_z_loss"] == pytest.approx(z * sample_size, rel=1e-5)
+    for key in ("moe_dropped", "moe_imbalance", "moe_entropy"):
+        assert key in log
+
+
+def test_pad_mask_keeps_padding_out_of_routing(data_bin, tmp_path):
+    for flag, expect_all in (((), True), (("--use-moe-pad-mask",), False)):
+        task, model, criterion, args = build(train_argv(data_bin, tmp_path, *flag))
+        sample = first_batch(task, args)
+        src = sample["net_input"]["src_tokens"]
+        assert src.eq(task.source_dictionary.pad()).any(), "the batch must hold padding"
+        criterion(model, sample)
+        enc = dict(moe_blocks(model))["encoder.layers.1.fc1"].last_aux
+        non_pad = int(src.ne(task.source_dictionary.pad()).sum())
+        assert enc.num_tokens == (src.numel() if expect_all else non_pad)
+
+
+def test_validation_uses_eval_capacity(data_bin, tmp_path):
+    task, model, criterion, args = build(train_argv(
+        data_bin, tmp_path, "--moe-capacity-factor", "0", "--moe-eval-capacity-token-fraction", "0.05"))
+    sample = first_batch(task, args)
+    model.train()
+    with torch.no_grad():
+        _, _, train_log = criterion(model, sample)
+    _, _, valid_log = task.valid_step(sample, model, criterion)
+    assert train_log["moe_dropped"] == 0
+    assert valid_log["moe_dropped"] > 0
