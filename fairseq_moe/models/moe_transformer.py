@@ -5,11 +5,13 @@ freq > 0 and (i + 1) % freq == 0, freq being --encoder-moe-freq / --decoder-moe-
 --moe-freq (the moe branch's rule).
 """
 import logging
+from argparse import Namespace
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase, TransformerModel
 from fairseq.models.transformer import transformer_legacy as dense
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import OmegaConf
 
 from ..moe import GATES, MoEConfig
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
@@ -108,6 +110,10 @@ class MoETransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        if not isinstance(args, Namespace):
+            # fairseq-hydra-train passes a DictConfig, whose extra keys (our flags) fairseq's
+            # TransformerConfig.from_namespace would drop: flatten it into the legacy Namespace.
+            args = Namespace(**OmegaConf.to_container(args, resolve=True))
         moe_base_architecture(args)
         # Check everything before a single weight is built: a bad flag fails here, named.
         args.moe_encoder_layer_ids = moe_layer_ids(args, "encoder")
