@@ -8,6 +8,7 @@ materialise a full [E, ...] gradient per slice, a cost that grows as E^2.)
 """
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def permute(x, token_index):
@@ -75,6 +76,7 @@ class _GroupedMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the backward writes into buffers (out=): no double backward
     def backward(ctx, grad_y):
         x, h, w1, w2, mask = ctx.saved_tensors
         sizes, p = ctx.sizes, ctx.dropout_p

@@ -5,6 +5,7 @@ E experts, k experts per token, C capacity (assignments an expert may take).
 """
 import math
 from dataclasses import dataclass, fields
+from fractions import Fraction
 
 # The fairseq flag that sets each field, so that an error names what the user typed.
 FLAGS = {
@@ -21,6 +22,11 @@ FLAGS = {
 }
 
 ACTIVATIONS = ("relu", "gelu", "silu")
+
+
+def _exact(x):
+    """The decimal the user typed (repr gives the shortest round-tripping form), as a Fraction."""
+    return Fraction(repr(float(x)))
 
 
 @dataclass
@@ -71,14 +77,18 @@ class MoEConfig:
         return self
 
     def capacity(self, num_tokens, training):
-        """Assignments each expert may take for num_tokens tokens, or None for dropless."""
+        """Assignments each expert may take for num_tokens tokens, or None for dropless.
+
+        Exact rational arithmetic on the factor as the user wrote it: in floats 1.1 * 2 * 45 / 3
+        is 33.000000000000004, whose ceil would be one too many.
+        """
         if not training and self.eval_capacity_token_fraction >= 0:
             if self.eval_capacity_token_fraction == 0:
                 return None
-            return math.ceil(self.eval_capacity_token_fraction * num_tokens)
+            return math.ceil(_exact(self.eval_capacity_token_fraction) * num_tokens)
         if self.capacity_factor == 0:
             return None
-        return math.ceil(self.capacity_factor * self.top_k * num_tokens / self.num_experts)
+        return math.ceil(_exact(self.capacity_factor) * self.top_k * num_tokens / self.num_experts)
 
     def to_dict(self):
         return {f.name: getattr(self, f.name) for f in fields(self)}

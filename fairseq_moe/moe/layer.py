@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
         )
 
     def forward(self, x, padding_mask=None):
-        """x: [..., d]; padding_mask: bool [...] (True = padding, skipped by routing and losses).
+        """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         if padding_mask is not None:
             if padding_mask.shape != shape[:-1]:
                 raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
-            keep = (~padding_mask.reshape(-1)).nonzero().squeeze(1)  # [T]
+            keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
             x = x.index_select(0, keep)
         T = x.shape[0]
 

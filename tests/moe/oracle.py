@@ -1,0 +1,63 @@
+"""Slow, obvious oracles shared by the MoE tests: per-token Python loops, no sorting tricks."""
+import torch
+import torch.nn.functional as F
+
+ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def gshard_kept(top_experts, capacity):
+    """The (token, choice) pairs GShard's priority rule keeps: all first choices in token order,
+    then all second choices in token order, ...; each expert takes assignments until it has
+    `capacity` of them (None: no limit). Returns (kept set, {expert: [(choice, token), ...]})."""
+    T, k = top_experts.shape
+    taken = {}
+    kept = set()
+    for j in range(k):
+        for t in range(T):
+            e = int(top_experts[t, j])
+            rows = taken.setdefault(e, [])
+            if capacity is None or len(rows) < capacity:
+                rows.append((j, t))
+                kept.add((t, j))
+    return kept, taken
+
+
+def expected_routing(logits, k, capacity):
+    """(token_index, weights, counts) that route() must return, built token by token."""
+    T, E = logits.shape
+    probs = torch.softmax(logits.float(), -1)
+    top_p, top_e = probs.topk(k, -1)
+    kept, taken = gshard_kept(top_e, capacity)
+    token_index, weights = [], []
+    for e in range(E):
+        for j, t in taken.get(e, []):
+            mine = [top_p[t, i] for i in range(k) if (t, i) in kept]
+            token_index.append(t)
+            weights.append(top_p[t, j] if k == 1 else top_p[t, j] / sum(mine))
+    counts = [len(taken.get(e, [])) for e in range(E)]
+    return torch.tensor(token_index, dtype=torch.long), torch.stack(weights), torch.tensor(counts)
+
+
+def expert_mlp(x, e, w1, b1, w2, b2, activation="relu"):
+    """Expert e on one token x [d]."""
+    return ACT[activation](x @ w1[e] + b1[e]) @ w2[e] + b2[e]
+
+
+def moe_oracle(x, gate_weight, w1, b1, w2, b2, k, activation="relu", capacity=None):
+    """MoE layer on x [T, d] by a loop over tokens: softmax of the token's fp32 logits, top-k,
+    weight = raw probability (k = 1) or renormalised over the kept choices (k >= 2), sum of
+    weight * expert MLP. Dropped choices (GShard priority, see gshard_kept) contribute nothing."""
+    T = x.shape[0]
+    logits = F.linear(x.float(), gate_weight.float())  # [T, E] fp32, the linear gate
+    probs = [torch.softmax(logits[t], -1) for t in range(T)]
+    tops = [p.topk(k) for p in probs]
+    kept, _ = gshard_kept(torch.stack([e for _, e in tops]), capacity)
+    out = []
+    for t, (top_p, top_e) in enumerate(tops):
+        mine = [j for j in range(k) if (t, j) in kept]
+        y = torch.zeros_like(x[t])
+        for j in mine:
+            w = top_p[j] if k == 1 else top_p[j] / sum(top_p[i] for i in mine)
+            y = y + w.to(x.dtype) * expert_mlp(x[t], int(top_e[j]), w1, b1, w2, b2, activation)
+        out.append(y)
+    return torch.stack(out)

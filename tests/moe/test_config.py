@@ -1,0 +1,59 @@
+"""MoEConfig.validate: every bad value raises ValueError naming the fairseq flag the user typed,
+both from validate() and from MoELayer(cfg); good values pass and validate() returns the config."""
+import math
+import re
+
+import pytest
+
+from fairseq_moe.moe import MoEConfig, MoELayer
+
+GOOD = dict(model_dim=8, ffn_dim=16, num_experts=4, top_k=2)
+
+BAD = [  # (overrides, flag the message must name)
+    (dict(top_k=5), "--moe-top-k"),  # k > E
+    (dict(top_k=0), "--moe-top-k"),
+    (dict(top_k=-1), "--moe-top-k"),
+    (dict(top_k=1.5), "--moe-top-k"),
+    (dict(num_experts=0, top_k=1), "--moe-expert-count"),
+    (dict(num_experts=True, top_k=1), "--moe-expert-count"),  # a bool is not a count
+    (dict(model_dim=0), "--encoder-embed-dim/--decoder-embed-dim"),
+    (dict(ffn_dim=0), "--moe-expert-ffn-dim"),
+    (dict(capacity_factor=-0.5), "--moe-capacity-factor"),
+    (dict(capacity_factor=math.nan), "--moe-capacity-factor"),
+    (dict(capacity_factor=math.inf), "--moe-capacity-factor"),
+    (dict(eval_capacity_token_fraction=1.5), "--moe-eval-capacity-token-fraction"),
+    (dict(eval_capacity_token_fraction=math.nan), "--moe-eval-capacity-token-fraction"),
+    (dict(gate="switch-transformer-9000"), "--moe-gate"),
+    (dict(activation="tanh"), "--activation-fn"),
+    (dict(activation_dropout=-0.1), "--activation-dropout"),
+    (dict(activation_dropout=1.0), "--activation-dropout"),
+]
+
+
+@pytest.mark.parametrize("overrides,flag", BAD, ids=[str(o) for o, _ in BAD])
+def test_bad_value_names_its_flag(overrides, flag):
+    cfg = MoEConfig(**{**GOOD, **overrides})
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        cfg.validate()
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        MoELayer(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(top_k=4),  # k == E
+        dict(num_experts=1, top_k=1),
+        dict(capacity_factor=0.0),  # dropless
+        dict(eval_capacity_token_fraction=-1.0),  # as training
+        dict(eval_capacity_token_fraction=0.0),
+        dict(eval_capacity_token_fraction=1.0),
+        dict(gate="cosine", activation="silu", activation_dropout=0.0),
+        dict(activation="gelu", activation_dropout=0.9),
+    ],
+)
+def test_good_values_pass(overrides):
+    cfg = MoEConfig(**{**GOOD, **overrides})
+    assert cfg.validate() is cfg
+    assert cfg.to_dict() == {**MoEConfig(**GOOD).to_dict(), **overrides}

@@ -1,0 +1,57 @@
+"""Contract of every registered gate (fairseq_moe.moe.GATES): logits [T, E] in fp32 for fp32, fp64
+and bf16 input, with either gate_fp32 setting; gradient reaches every gate parameter; the gate
+works inside MoELayer(gate=name), including the all-padding path."""
+import pytest
+import torch
+
+from fairseq_moe.moe import GATES, MoEConfig, MoELayer
+
+d, E = 16, 6
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(GATES))
+def test_gate_contract(name, dtype, fp32):
+    torch.manual_seed(0)
+    gate = GATES[name](d, E, fp32=fp32)
+    x = torch.randn(11, d).to(dtype).requires_grad_(True)
+    logits = gate(x)
+    assert logits.shape == (11, E) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    (logits * torch.randn(11, E)).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    for pname, p in gate.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+    # Rows are independent: a token's logits do not depend on the other tokens.
+    torch.testing.assert_close(gate(x[3:4]), logits[3:4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(GATES))
+def test_gate_inside_layer(name):
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=8, num_experts=E, top_k=2, gate=name))
+    assert isinstance(layer.gate, GATES[name])
+    x = torch.randn(2, 5, d, requires_grad=True)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    y, aux = layer(x, pad)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    (y.pow(2).sum() + aux.balance_loss + aux.z_loss).backward()
+    for pname, p in layer.gate.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+    # Every token padded: zero output and losses, backward still runs.
+    y, aux = layer(x, torch.ones(2, 5, dtype=torch.bool))
+    (y.sum() + aux.balance_loss + aux.z_loss).backward()
+    assert y.abs().sum() == 0 and aux.balance_loss.item() == 0
+
+
+def test_bf16_layer_with_fp32_gate():
+    """A bf16 model: the experts run in bf16, the router in fp32."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=8, num_experts=E, top_k=2)).to(torch.bfloat16)
+    x = torch.randn(7, d, dtype=torch.bfloat16)
+    assert layer.gate(x).dtype == torch.float32
+    y, aux = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    assert aux.balance_loss.dtype == torch.float32
