@@ -12,9 +12,13 @@ from kernels import grouped_mlp
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts, model_dim, ffn_dim, activation="relu", activation_dropout=0.0):
+    """The experts this rank holds: global experts first_expert .. first_expert + num_experts - 1."""
+
+    def __init__(self, num_experts, model_dim, ffn_dim, activation="relu", activation_dropout=0.0,
+                 first_expert=0):
         super().__init__()
         E, d, f = num_experts, model_dim, ffn_dim
+        self.first_expert = first_expert
         self.activation = activation
         self.activation_dropout = activation_dropout
         self.w1 = nn.Parameter(torch.empty(E, d, f))
@@ -24,12 +28,21 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # Each expert starts like a fresh nn.Linear pair (the dense FFN of fairseq's transformer).
+        """Each expert starts like a fresh nn.Linear pair (the dense FFN of fairseq's transformer).
+
+        Expert e draws from its own generator seeded by (one draw of the global RNG) + e, so that
+        its weights are the same whichever rank holds it and however many ranks share the experts:
+        a model built on W ranks starts from the very weights of the same model on one rank.
+        """
         d, f = self.w1.shape[1], self.w1.shape[2]
-        for w, b, fan_in in ((self.w1, self.b1, d), (self.w2, self.b2, f)):
-            bound = 1 / math.sqrt(fan_in)
-            nn.init.uniform_(w, -bound, bound)
-            nn.init.uniform_(b, -bound, bound)
+        base = int(torch.randint(0, 2**62, ()))
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                g = torch.Generator().manual_seed(base + self.first_expert + e)
+                for w, b, fan_in in ((self.w1, self.b1, d), (self.w2, self.b2, f)):
+                    bound = 1 / math.sqrt(fan_in)
+                    for p in (w[e], b[e]):
+                        p.copy_(torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 * bound - bound)
 
     @property
     def num_experts(self):

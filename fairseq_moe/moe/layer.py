@@ -4,15 +4,18 @@
     y, aux = layer(x)                 # x: [T, d] or [B, T, d]; y has x's shape
     loss = task_loss + 0.01 * aux.balance_loss + 0.001 * aux.z_loss
 
-Data path: gate -> route (top-k, capacity) -> permute -> grouped MLP -> unpermute.
+Data path: gate -> route (top-k, capacity) -> permute -> [all-to-all] -> grouped MLP
+-> [all-to-all] -> unpermute. The all-to-alls run when the experts are spread over ranks (ep).
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
 from kernels import permute, unpermute
 
+from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts
 from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES
@@ -46,12 +49,16 @@ class MoEAux:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    """ep: None (all experts here) or comm.ExpertParallel (this rank holds ep.num_local_experts)."""
+
+    def __init__(self, cfg: MoEConfig, ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.cfg = cfg.validate()
+        self.ep = ep
         self.gate = GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32)
+        local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
         self.experts = Experts(
-            cfg.num_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout
+            local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first
         )
 
     def forward(self, x, padding_mask=None):
@@ -72,13 +79,24 @@ class MoELayer(nn.Module):
         logits = self.gate(x)  # [T, E] fp32
         r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training))
         rows = permute(x, r.token_index)  # [N, d] sorted by expert
-        rows = self.experts(rows, r.counts)  # [N, d]
+        rows = self.experts(rows, r.counts) if self.ep is None else self._remote(rows, r.counts)
         y = unpermute(rows, r.token_index, r.weights, T)  # [T, d]
 
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, r, T)
         return y.view(shape), aux
+
+    def _remote(self, rows, counts):
+        """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
+        P, El = self.ep.size, self.ep.num_local_experts
+        send = counts.view(P, El)  # rows for (destination rank, its local expert)
+        recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
+        x = all_to_all(rows, send.sum(1), recv.sum(1), self.ep)  # (source, local expert) order
+        order = block_transpose_index(recv)  # -> (local expert, source) order
+        y = self.experts(x.index_select(0, order), recv.sum(0))
+        y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
+        return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 
     def _aux(self, logits, r, T):
         if T == 0:  # nothing routed: zero losses that still belong to the graph

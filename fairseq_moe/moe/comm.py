@@ -1,0 +1,169 @@
+"""Expert-parallel communication: process groups and an autograd all-to-all with variable splits.
+
+Legend: W ranks in the world, P ranks in one expert-parallel (EP) group, E experts, E_l = E / P
+local experts per rank. Rows sent from rank s to rank r are counted by counts[s][r].
+
+Every rank issues the same collectives in the same order whatever its token count (zero included):
+the counts are always exchanged first, then the rows, so no input can make a rank wait forever.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ExpertParallel:
+    """Where the experts of a layer live. Build it with expert_parallel(num_experts, ...)."""
+
+    group: Optional[object]  # the EP group: its P ranks together hold all E experts
+    size: int  # P
+    rank: int  # this rank's index in the EP group
+    num_local_experts: int  # E_l
+    replicas: int  # W / P: how many ranks hold each expert
+    replica_group: Optional[object]  # ranks holding the same experts as this one (None if 1)
+    local_group: Optional[object] = None  # hierarchical a2a: ranks of this node in the EP group
+    node_group: Optional[object] = None  # hierarchical a2a: same local index on every node
+    local_size: int = 1  # L: ranks per node in the EP group (1 = flat all-to-all)
+
+    @property
+    def first_expert(self):
+        return self.rank * self.num_local_experts
+
+
+def expert_parallel(num_experts, local_size=None):
+    """Split num_experts over the default process group, replicating when W > E.
+
+    E % W == 0: E/W experts per rank. W % E == 0: one expert per rank, W/E replicas of each.
+    local_size (ranks per node, --moe-a2a-local-size): > 1 selects the hierarchical all-to-all.
+    Every rank must call this in the same order (it creates process groups, a collective).
+    """
+    W, rank = dist.get_world_size(), dist.get_rank()
+    if num_experts % W == 0:
+        P = W
+    elif W % num_experts == 0:
+        P = num_experts
+    else:
+        raise ValueError(
+            f"--moe-expert-count {num_experts} and --distributed-world-size {W}: one must be a "
+            f"multiple of the other (E/W experts per rank, or W/E replicas of each expert)"
+        )
+    replicas = W // P
+    group, replica_group = _subgroups(W, P, rank)
+    L = local_size or 1
+    if L < 1 or P % L:
+        raise ValueError(f"--moe-a2a-local-size {L} must divide the expert-parallel size {P}")
+    local_group = node_group = None
+    if 1 < L < P:
+        local_group, node_group = _hierarchy(W, P, L, rank)
+    else:
+        L = 1
+    return ExpertParallel(group, P, rank % P, num_experts // P, replicas, replica_group,
+                          local_group, node_group, L)
+
+
+def _subgroups(W, P, rank):
+    """EP groups are blocks of P consecutive ranks; replica groups take one rank of each block."""
+    group = replica_group = None
+    for start in range(0, W, P):
+        g = dist.new_group(list(range(start, start + P)))
+        if start <= rank < start + P:
+            group = g
+    if W // P > 1:
+        for i in range(P):
+            g = dist.new_group(list(range(i, W, P)))
+            if rank % P == i:
+                replica_group = g
+    return group, replica_group
+
+
+def _hierarchy(W, P, L, rank):
+    """Inside each EP block: nodes of L consecutive ranks, and the ranks sharing a local index."""
+    local_group = node_group = None
+    for start in range(0, W, P):
+        for node in range(P // L):
+            ranks = list(range(start + node * L, start + (node + 1) * L))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                local_group = g
+        for i in range(L):
+            ranks = list(range(start + i, start + P, L))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                node_group = g
+    return local_group, node_group
+
+
+def exchange_counts(send_counts, group):
+    """send_counts: [P, ...] long, what this rank sends to each rank -> what each rank sends here."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def _flat(x, send, recv, group):
+    """One all_to_all_single. send/recv: row counts per peer (lists of ints)."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def block_transpose_index(counts):
+    """Row index that reorders blocks laid out (a, b) [a major] into (b, a) order.
+
+    counts: [A, B] long, the rows of block (a, b). Returns idx with out = rows[idx].
+    """
+    A, B = counts.shape
+    flat = counts.reshape(-1)
+    src_start = (torch.cumsum(flat, 0) - flat).view(A, B).t().reshape(-1)  # (b, a) order
+    sizes = counts.t().reshape(-1)
+    dst_start = torch.cumsum(sizes, 0) - sizes
+    total = int(sizes.sum())
+    offset = torch.repeat_interleave(src_start - dst_start, sizes, output_size=total)
+    return offset + torch.arange(total, device=counts.device)
+
+
+def _hierarchical(x, send_counts, ep):
+    """The flat all-to-all's result in two steps (Tutel's 2-D all-to-all), variable splits.
+
+    Rank me = (n, m): node n, local index m; P = N nodes x L local ranks, rank id n * L + m.
+    1) intra-node: send to local peer m' every chunk bound for (n'', m'), for all nodes n'';
+    2) inter-node: send to (n'', m) everything gathered for it from this node's ranks.
+    Each step first exchanges its own small count vectors (N or L ints per peer).
+    """
+    L, N = ep.local_size, ep.size // ep.local_size
+    c = send_counts.view(N, L)  # my rows for (n'', m') [dest node major]
+    # Step 1: reorder my chunks from (n'', m') to (m', n'') so that each local peer's part is contiguous.
+    x1 = x.index_select(0, block_transpose_index(c))
+    r1 = exchange_counts(c.t().contiguous(), ep.local_group)  # [L src local, N dest node]
+    y1 = _flat(x1, c.sum(0).tolist(), r1.sum(1).tolist(), ep.local_group)  # (src local l, dest node n'')
+    # Step 2: regroup by destination node, then send each node its rows.
+    x2 = y1.index_select(0, block_transpose_index(r1))  # (dest node n'', src local l)
+    r2 = exchange_counts(r1.t().contiguous(), ep.node_group)  # [N src node, L src local]
+    y2 = _flat(x2, r1.sum(0).tolist(), r2.sum(1).tolist(), ep.node_group)
+    return y2, r2.reshape(-1)  # rows ordered by source rank n * L + l, exactly as the flat op
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_counts, recv_counts, ep):
+        ctx.ep, ctx.counts = ep, (send_counts, recv_counts)
+        if ep.local_size > 1:
+            return _hierarchical(x, send_counts, ep)[0]
+        return _flat(x, send_counts.tolist(), recv_counts.tolist(), ep.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts = ctx.counts
+        # The adjoint of an all-to-all is the all-to-all with the splits swapped.
+        return _AllToAll.apply(grad, recv_counts, send_counts, ctx.ep), None, None, None
+
+
+def all_to_all(x, send_counts, recv_counts, ep):
+    """Differentiable all-to-all of rows, flat or hierarchical as ep says.
+
+    x: [sum(send_counts), ...] rows ordered by destination rank; send_counts, recv_counts: [P] long
+    (recv_counts from exchange_counts). Returns [sum(recv_counts), ...] ordered by source rank.
+    """
+    return _AllToAll.apply(x, send_counts, recv_counts, ep)

@@ -1,0 +1,131 @@
+"""Expert parallelism on several gloo processes: the all-to-alls and the MoE layer across ranks.
+
+Each test spawns W CPU processes once and runs its checks inside them: a flat and a hierarchical
+all-to-all return exactly what the formula says (zero-row peers included), forward and backward;
+MoELayer with experts spread over the ranks equals the single-process layer with the same weights.
+"""
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fairseq_moe.moe import MoEConfig, MoELayer
+from fairseq_moe.moe.comm import all_to_all, exchange_counts, expert_parallel
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size, *args):
+    port = free_port()
+    mp.spawn(_init_and_run, args=(world_size, port, fn, args), nprocs=world_size, join=True)
+
+
+def _init_and_run(rank, world_size, port, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows(src, counts, d=3):
+    """Rows rank src sends: row i to dst is (src, dst, i, ...) so every row says where it belongs."""
+    out = [torch.tensor([[src, dst, i] + [src * 100 + dst * 10 + i] * (d - 3) for i in range(n)],
+                        dtype=torch.float64).view(n, d) for dst, n in enumerate(counts)]
+    return torch.cat(out)
+
+
+def _check_all_to_all(rank, W, local_size):
+    ep = expert_parallel(W, local_size=local_size)
+    assert ep.local_size == (local_size or 1)
+    g = torch.Generator().manual_seed(7)
+    counts = torch.randint(0, 4, (W, W), generator=g)  # counts[s][r], zeros included
+    counts[1, :] = 0  # rank 1 sends nothing at all
+    send = counts[rank]
+    recv = exchange_counts(send, ep.group)
+    assert recv.tolist() == counts[:, rank].tolist()
+    x = _rows(rank, send.tolist(), d=5).requires_grad_(True)
+    y = all_to_all(x, send, recv, ep)
+    expected = torch.cat([_rows(s, counts[s].tolist(), d=5)[counts[s, :rank].sum():][:counts[s, rank]]
+                          for s in range(W)])
+    assert torch.equal(y, expected)
+    # Backward: the gradient of sum(y * weight) sends each row's weight back to where it came from.
+    weight = torch.arange(y.numel(), dtype=torch.float64).view_as(y) + rank * 1000
+    (y * weight).sum().backward()
+    back = all_to_all(weight, recv, send, ep)
+    assert torch.equal(x.grad, back)
+
+
+def _check_layer(rank, W, E, k, capacity_factor, local_size):
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
+                    eval_capacity_token_fraction=-1)
+    torch.manual_seed(0)
+    full = MoELayer(cfg).double()  # all E experts, the same weights on every rank
+    ep = expert_parallel(E, local_size=local_size)
+    torch.manual_seed(0)
+    spread = MoELayer(cfg, ep).double()
+    lo, hi = ep.first_expert, ep.first_expert + ep.num_local_experts
+    # The per-expert seeding gives each rank the slice of the 1-rank init, with no copying.
+    for name in ("w1", "b1", "w2", "b2"):
+        assert torch.equal(getattr(spread.experts, name), getattr(full.experts, name)[lo:hi]), name
+    assert torch.equal(spread.gate.weight, full.gate.weight)
+
+    g = torch.Generator().manual_seed(100 + rank)
+    T = [0, 7, 13, 4][rank % 4] if capacity_factor else [5, 0, 9, 11][rank % 4]  # a rank with no tokens
+    x = torch.randn(T, 6, generator=g, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y1, aux1 = full(x1)
+    y2, aux2 = spread(x2)
+    torch.testing.assert_close(y2, y1, rtol=1e-12, atol=1e-12)
+    assert torch.equal(aux1.counts, aux2.counts)
+    ((y1 * y1).sum() + aux1.balance_loss).backward()
+    ((y2 * y2).sum() + aux2.balance_loss).backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(spread.gate.weight.grad, full.gate.weight.grad, rtol=1e-12, atol=1e-12)
+    # An expert's gradient gathers the tokens of every rank of its EP group.
+    for name in ("w1", "b1", "w2", "b2"):
+        grad = getattr(full.experts, name).grad.clone()
+        dist.all_reduce(grad, group=ep.group)
+        torch.testing.assert_close(getattr(spread.experts, name).grad, grad[lo:hi], rtol=1e-11, atol=1e-12)
+
+
+def _check_bad_split(rank, W):
+    with pytest.raises(ValueError, match="--moe-expert-count 3"):
+        expert_parallel(3)
+
+
+def _run_all(rank, W, checks):
+    for fn, args in checks:
+        fn(rank, W, *args)
+
+
+# One spawn per world size runs all its checks: a process start-up costs seconds here.
+CHECKS = {
+    2: [
+        (_check_all_to_all, (None,)),
+        (_check_layer, (4, 2, 0.0, None)),  # E/W = 2 experts per rank, dropless
+        (_check_bad_split, ()),
+    ],
+    4: [
+        (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
+        (_check_layer, (8, 2, 1.0, 2)),  # capacity dropping, hierarchical all-to-all
+        (_check_layer, (2, 1, 0.0, None)),  # W/E = 2 replicas of each expert
+        (_check_layer, (4, 4, 0.0, None)),  # k = 4
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", sorted(CHECKS))
+def test_expert_parallel(world_size):
+    spawn(_run_all, world_size, CHECKS[world_size])
