@@ -54,61 +54,161 @@ def _blocks(counts):
         start += n
 
 
+def _fc1_act(x, sizes, w1, b1, activation, dropout_p):
+    """-> (a [N, f] what fc2 reads, saved [N, f] what backward needs, dropout mask or None)."""
+    h = x.new_empty(x.shape[0], w1.shape[2])  # [N, f]
+    for e, s, t in _blocks(sizes):
+        torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
+    # relu: keep its output (its derivative is output > 0); otherwise keep the pre-activation.
+    a = F.relu(h, inplace=True) if activation == "relu" else _activate(h, activation)
+    saved = a if activation == "relu" else h
+    mask = None
+    if dropout_p > 0:
+        mask = torch.rand_like(a) >= dropout_p  # [N, f] bool
+        a = a * mask / (1 - dropout_p)
+    return a, saved, mask
+
+
+def _fc2(a, sizes, w2, b2):
+    y = a.new_empty(a.shape[0], w2.shape[2])  # [N, d]
+    for e, s, t in _blocks(sizes):
+        torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+    return y
+
+
+def _recompute_a(saved, mask, activation, dropout_p):
+    a = saved if activation == "relu" else _activate(saved, activation)
+    return a if mask is None else a * mask / (1 - dropout_p)
+
+
+def _fc2_backward(a, gy, sizes, w2, need_w2, need_b2, row_scale=None):
+    """-> (gy W2^T [N, f], gw2, gb2) for gy = d loss / d fc2 output [N, d].
+
+    row_scale [N, 1]: the fc2 output was multiplied row-wise by it; gy is the gradient before that
+    scaling, so the weight gradients use gy * row_scale while the returned gy W2^T stays unscaled.
+    """
+    gw2 = torch.zeros_like(w2) if need_w2 else None
+    gb2 = w2.new_zeros(w2.shape[0], w2.shape[2]) if need_b2 else None
+    da = torch.empty_like(a)
+    for e, s, t in _blocks(sizes):
+        g = gy[s:t] if row_scale is None else gy[s:t] * row_scale[s:t]
+        if need_w2:
+            torch.mm(a[s:t].t(), g, out=gw2[e])
+        if need_b2:
+            gb2[e] = g.sum(0)
+        torch.mm(gy[s:t], w2[e].t(), out=da[s:t])
+    return da, gw2, gb2
+
+
+def _fc1_backward(x, saved, mask, da, sizes, w1, activation, dropout_p, need_x, need_w1, need_b1):
+    """-> (d loss / d x rows [N, d], gw1, gb1) from d loss / d a."""
+    if mask is not None:
+        da = da * mask / (1 - dropout_p)
+    if activation == "relu":
+        dh = torch.ops.aten.threshold_backward(da, saved, 0)
+    else:
+        dh = _activation_grad(saved, da, activation)
+    gw1 = torch.zeros_like(w1) if need_w1 else None
+    gb1 = w1.new_zeros(w1.shape[0], w1.shape[2]) if need_b1 else None
+    gx = torch.empty_like(x) if need_x else None
+    for e, s, t in _blocks(sizes):
+        if need_w1:
+            torch.mm(x[s:t].t(), dh[s:t], out=gw1[e])
+        if need_b1:
+            gb1[e] = dh[s:t].sum(0)
+        if need_x:
+            torch.mm(dh[s:t], w1[e].t(), out=gx[s:t])
+    return gx, gw1, gb1
+
+
+def _sizes(counts, rows):
+    sizes = counts.tolist()
+    if sum(sizes) != rows:
+        raise ValueError(f"counts sum to {sum(sizes)} but there are {rows} rows")
+    return sizes
+
+
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, w1, b1, w2, b2, activation, dropout_p):
-        sizes = counts.tolist()
-        if sum(sizes) != x.shape[0]:
-            raise ValueError(f"counts sum to {sum(sizes)} but x has {x.shape[0]} rows")
-        h = x.new_empty(x.shape[0], w1.shape[2])  # [N, f] pre-activation, kept for backward
-        for e, s, t in _blocks(sizes):
-            torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
-        a = _activate(h, activation)
-        mask = None
-        if dropout_p > 0:
-            mask = torch.rand_like(h) >= dropout_p  # [N, f] bool
-            a = a * mask / (1 - dropout_p)
-        y = x.new_empty(x.shape[0], w2.shape[2])  # [N, d]
-        for e, s, t in _blocks(sizes):
-            torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+        sizes = _sizes(counts, x.shape[0])
+        a, saved, mask = _fc1_act(x, sizes, w1, b1, activation, dropout_p)
+        y = _fc2(a, sizes, w2, b2)
         ctx.sizes, ctx.activation, ctx.dropout_p = sizes, activation, dropout_p
-        ctx.save_for_backward(x, h, w1, w2, mask)
+        ctx.save_for_backward(x, saved, w1, w2, mask)
         return y
 
     @staticmethod
     @once_differentiable  # the backward writes into buffers (out=): no double backward
     def backward(ctx, grad_y):
-        x, h, w1, w2, mask = ctx.saved_tensors
-        sizes, p = ctx.sizes, ctx.dropout_p
+        x, saved, w1, w2, mask = ctx.saved_tensors
         need_x, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:6]
-        grad_y = grad_y.contiguous()
-        a = _activate(h, ctx.activation)
-        if mask is not None:
-            a = a * mask / (1 - p)
-        gw1 = torch.zeros_like(w1) if need_w1 else None
-        gw2 = torch.zeros_like(w2) if need_w2 else None
-        gb1 = h.new_zeros(w1.shape[0], w1.shape[2]) if need_b1 else None
-        gb2 = h.new_zeros(w2.shape[0], w2.shape[2]) if need_b2 else None
-        da = torch.empty_like(h)  # [N, f]
-        for e, s, t in _blocks(sizes):
-            g = grad_y[s:t]
-            if need_w2:
-                torch.mm(a[s:t].t(), g, out=gw2[e])
-            if need_b2:
-                gb2[e] = g.sum(0)
-            torch.mm(g, w2[e].t(), out=da[s:t])
-        if mask is not None:
-            da = da * mask / (1 - p)
-        dh = _activation_grad(h, da, ctx.activation)
-        gx = torch.empty_like(x) if need_x else None
-        for e, s, t in _blocks(sizes):
-            if need_w1:
-                torch.mm(x[s:t].t(), dh[s:t], out=gw1[e])
-            if need_b1:
-                gb1[e] = dh[s:t].sum(0)
-            if need_x:
-                torch.mm(dh[s:t], w1[e].t(), out=gx[s:t])
+        a = _recompute_a(saved, mask, ctx.activation, ctx.dropout_p)
+        da, gw2, gb2 = _fc2_backward(a, grad_y.contiguous(), ctx.sizes, w2, need_w2, need_b2)
+        gx, gw1, gb1 = _fc1_backward(x, saved, mask, da, ctx.sizes, w1, ctx.activation,
+                                     ctx.dropout_p, need_x, need_w1, need_b1)
         return gx, None, gw1, gb1, gw2, gb2, None, None
+
+
+class _MoEMLP(torch.autograd.Function):
+    """permute -> grouped MLP -> weighted unpermute in one op, keeping only [N, f] for backward.
+
+    Neither the permuted input nor the expert output is saved: backward gathers the rows of x
+    again, and the routing-weight gradient <g_t, y_n> is computed as <g_t W2^T, a_n> + <g_t, b2>
+    from quantities the backward computes anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, x, token_index, weights, counts, w1, b1, w2, b2, activation, dropout_p):
+        sizes = _sizes(counts, token_index.shape[0])
+        rows = x.index_select(0, token_index)  # [N, d], transient
+        a, saved, mask = _fc1_act(rows, sizes, w1, b1, activation, dropout_p)
+        del rows
+        y = _fc2(a, sizes, w2, b2)  # [N, d]
+        out = x.new_zeros(x.shape)  # [T, d]
+        out.index_add_(0, token_index, y.mul_(weights.to(y.dtype).unsqueeze(1)))
+        ctx.sizes, ctx.activation, ctx.dropout_p = sizes, activation, dropout_p
+        ctx.save_for_backward(x, token_index, weights, saved, mask, w1, w2, b2)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, token_index, weights, saved, mask, w1, w2, b2 = ctx.saved_tensors
+        need_x, _, need_wt, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:8]
+        sizes, act, p = ctx.sizes, ctx.activation, ctx.dropout_p
+        g = grad_out.index_select(0, token_index)  # [N, d]: d loss / d (weighted) row
+        w = weights.to(g.dtype).unsqueeze(1)  # [N, 1]
+        a = _recompute_a(saved, mask, act, p)
+        da, gw2, gb2 = _fc2_backward(a, g, sizes, w2, need_w2, need_b2, row_scale=w)  # da = g W2^T
+        gwt = None
+        if need_wt:
+            gwt = (da * a).sum(1)  # <g W2^T, a> ...
+            for e, s, t in _blocks(sizes):
+                gwt[s:t] += g[s:t] @ b2[e]  # ... + <g, b2>
+            gwt = gwt.to(weights.dtype)
+        da.mul_(w)
+        if need_x or need_w1:
+            rows = x.index_select(0, token_index)
+        else:
+            rows = x.new_empty(0, x.shape[1])
+        grow, gw1, gb1 = _fc1_backward(rows, saved, mask, da, sizes, w1, act, p, need_x, need_w1, need_b1)
+        gx = None
+        if need_x:
+            gx = torch.zeros_like(x).index_add_(0, token_index, grow)
+        return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None
+
+
+def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
+    """The experts of an MoE layer on its own tokens: sum_n weights[n] * expert(x[token_index[n]]).
+
+    x: [T, d]; token_index: [N] long, rows sorted by expert (expert e owns counts[e] consecutive
+    rows); weights: [N] routing weights; w1: [E, d, f], b1: [E, f], w2: [E, f, d], b2: [E, d]
+    -> [T, d] (zeros for tokens with no row). Equals unpermute(grouped_mlp(permute(x, ...)), ...).
+    """
+    assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
+    assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
+    return _MoEMLP.apply(x, token_index, weights, counts, w1, b1, w2, b2, activation, float(dropout_p))
 
 
 def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):

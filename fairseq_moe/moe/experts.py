@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import grouped_mlp
+from kernels import grouped_mlp, moe_mlp
 
 
 class Experts(nn.Module):
@@ -48,6 +48,13 @@ class Experts(nn.Module):
     def num_experts(self):
         return self.w1.shape[0]
 
-    def forward(self, x, counts):  # x: [N, d] sorted by expert, counts: [E] -> [N, d]
-        p = self.activation_dropout if self.training else 0.0
-        return grouped_mlp(x, counts, self.w1, self.b1, self.w2, self.b2, self.activation, p)
+    def _dropout(self):
+        return self.activation_dropout if self.training else 0.0
+
+    def forward(self, rows, counts):  # rows: [N, d] sorted by expert, counts: [E] -> [N, d]
+        return grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation, self._dropout())
+
+    def combine(self, x, token_index, weights, counts):
+        """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d], fused."""
+        return moe_mlp(x, token_index, weights, counts, self.w1, self.b1, self.w2, self.b2,
+                       self.activation, self._dropout())

@@ -78,9 +78,11 @@ class MoELayer(nn.Module):
 
         logits = self.gate(x)  # [T, E] fp32
         r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training))
-        rows = permute(x, r.token_index)  # [N, d] sorted by expert
-        rows = self.experts(rows, r.counts) if self.ep is None else self._remote(rows, r.counts)
-        y = unpermute(rows, r.token_index, r.weights, T)  # [T, d]
+        if self.ep is None:
+            y = self.experts.combine(x, r.token_index, r.weights, r.counts)  # [T, d]
+        else:
+            rows = permute(x, r.token_index)  # [N, d] sorted by expert
+            y = unpermute(self._remote(rows, r.counts), r.token_index, r.weights, T)  # [T, d]
 
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
