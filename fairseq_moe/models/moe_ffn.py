@@ -19,9 +19,9 @@ class MoEFeedForward(nn.Module):
     fairseq's encoder and decoder have no channel to return per-layer losses through.
     """
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, ep=None):
         super().__init__()
-        self.moe = MoELayer(cfg)
+        self.moe = MoELayer(cfg, ep)
         self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
         self.last_aux = None
 
@@ -45,13 +45,13 @@ def _make_ffn_moe(layer):
 
 
 class MoEEncoderLayer(TransformerEncoderLayerBase):
-    def __init__(self, cfg, moe_cfg: MoEConfig, use_pad_mask=False, return_fc=False):
-        self.moe_cfg, self.use_pad_mask = moe_cfg, use_pad_mask
+    def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, return_fc=False):
+        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
         super().__init__(cfg, return_fc=return_fc)
         _make_ffn_moe(self)
 
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        return MoEFeedForward(self.moe_cfg)
+        return MoEFeedForward(self.moe_cfg, self.ep)
 
     def forward(self, x, encoder_padding_mask, attn_mask=None):
         self.fc1.padding_mask = encoder_padding_mask if self.use_pad_mask else None
@@ -62,13 +62,13 @@ class MoEEncoderLayer(TransformerEncoderLayerBase):
 
 
 class MoEDecoderLayer(TransformerDecoderLayerBase):
-    def __init__(self, cfg, moe_cfg: MoEConfig, use_pad_mask=False, no_encoder_attn=False):
-        self.moe_cfg, self.use_pad_mask = moe_cfg, use_pad_mask
+    def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, no_encoder_attn=False):
+        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
         _make_ffn_moe(self)
 
     def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        return MoEFeedForward(self.moe_cfg)
+        return MoEFeedForward(self.moe_cfg, self.ep)
 
     def forward(self, x, *args, self_attn_padding_mask=None, **kwargs):
         self.fc1.padding_mask = self_attn_padding_mask if self.use_pad_mask else None

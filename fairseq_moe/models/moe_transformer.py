@@ -5,7 +5,10 @@ freq > 0 and (i + 1) % freq == 0, freq being --encoder-moe-freq / --decoder-moe-
 --moe-freq (the moe branch's rule).
 """
 import logging
+import os
 from argparse import Namespace
+
+import torch.distributed as dist
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase, TransformerModel
@@ -14,6 +17,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
 from ..moe import GATES, MoEConfig
+from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,9 @@ def add_moe_args(parser):
         help="compute the gate projection in the model dtype (softmax and top-k stay fp32)")
     add("--use-moe-pad-mask", action="store_true",
         help="keep padding tokens out of routing, capacity and the balance loss")
+    add("--moe-a2a-local-size", type=int, metavar="L",
+        help="ranks per node for the hierarchical all-to-all (default: the launcher's LOCAL_WORLD_SIZE; "
+             "1 or all ranks: flat all-to-all)")
 
 
 def moe_config(args, side):
@@ -74,6 +81,18 @@ def moe_layer_ids(args, side):
     return [i for i in range(layers) if freq and (i + 1) % freq == 0]
 
 
+def build_expert_parallel(args):
+    """Spread the experts over the ranks when there are several (None on one process)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    local = args.moe_a2a_local_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    ep = expert_parallel(args.moe_expert_count, local_size=local)
+    logger.info("expert parallel: %d experts per rank on %d ranks, %d replica(s), %s all-to-all",
+                ep.num_local_experts, ep.size, ep.replicas,
+                f"hierarchical {ep.size // ep.local_size}x{ep.local_size}" if ep.local_size > 1 else "flat")
+    return ep
+
+
 def _wrap(layer, cfg):
     if cfg.checkpoint_activations:
         layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
@@ -87,7 +106,8 @@ class MoETransformerEncoder(TransformerEncoderBase):
         if index not in cfg.moe_encoder_layer_ids:
             return super().build_encoder_layer(cfg)
         moe_cfg = moe_config(cfg, "encoder")
-        return _wrap(MoEEncoderLayer(cfg, moe_cfg, cfg.use_moe_pad_mask, return_fc=self.return_fc), cfg)
+        layer = MoEEncoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask, return_fc=self.return_fc)
+        return _wrap(layer, cfg)
 
 
 class MoETransformerDecoder(TransformerDecoderBase):
@@ -96,7 +116,7 @@ class MoETransformerDecoder(TransformerDecoderBase):
         if index not in cfg.moe_decoder_layer_ids:
             return super().build_decoder_layer(cfg, no_encoder_attn)
         moe_cfg = moe_config(cfg, "decoder")
-        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.use_moe_pad_mask, no_encoder_attn), cfg)
+        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask, no_encoder_attn), cfg)
 
 
 @register_model("moe_transformer")
@@ -110,10 +130,11 @@ class MoETransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        if not isinstance(args, Namespace):
-            # fairseq-hydra-train passes a DictConfig, whose extra keys (our flags) fairseq's
-            # TransformerConfig.from_namespace would drop: flatten it into the legacy Namespace.
-            args = Namespace(**OmegaConf.to_container(args, resolve=True))
+        # Work on a copy: fairseq saves the caller's object in checkpoints, and what we derive
+        # here (layer ids, process groups) must not go there. fairseq-hydra-train passes a
+        # DictConfig, whose extra keys (our flags) TransformerConfig.from_namespace would drop.
+        args = Namespace(**(vars(args) if isinstance(args, Namespace)
+                            else OmegaConf.to_container(args, resolve=True)))
         moe_base_architecture(args)
         # Check everything before a single weight is built: a bad flag fails here, named.
         args.moe_encoder_layer_ids = moe_layer_ids(args, "encoder")
@@ -127,7 +148,12 @@ class MoETransformerModel(TransformerModel):
         for side in ("encoder", "decoder"):
             if getattr(args, f"moe_{side}_layer_ids"):
                 moe_config(args, side)
+        args.moe_ep = build_expert_parallel(args)
         model = super().build_model(args, task)
+        # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
+        model._ddp_params_and_buffers_to_ignore = [
+            name for name, p in model.named_parameters() if getattr(p, "expert", False)
+        ]
         logger.info(
             "MoE layers: encoder %s, decoder %s; %d experts, top-%d",
             args.moe_encoder_layer_ids, args.moe_decoder_layer_ids,
@@ -165,6 +191,7 @@ def moe_base_architecture(args):
     args.moe_gate = getattr(args, "moe_gate", "linear")
     args.moe_gating_use_fp32 = getattr(args, "moe_gating_use_fp32", True)
     args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
+    args.moe_a2a_local_size = getattr(args, "moe_a2a_local_size", None)
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")

@@ -167,3 +167,17 @@ def all_to_all(x, send_counts, recv_counts, ep):
     (recv_counts from exchange_counts). Returns [sum(recv_counts), ...] ordered by source rank.
     """
     return _AllToAll.apply(x, send_counts, recv_counts, ep)
+
+
+def expert_grad_hook(grad, ep):
+    """The gradient of an expert parameter, made to match data parallelism's convention.
+
+    Through the all-to-all an expert's gradient already sums the tokens of every rank of its EP
+    group, while data parallelism averages the shared parameters' gradients over the W ranks.
+    So: sum over the replicas of the expert, divide by W. Run as a tensor hook, once per backward
+    (gradient accumulation adds the results, as it should); every replica runs the same backward.
+    """
+    if ep.replicas > 1:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ep.replica_group)
+    return grad / dist.get_world_size()

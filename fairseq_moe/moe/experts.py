@@ -25,6 +25,11 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.empty(E, f))
         self.w2 = nn.Parameter(torch.empty(E, f, d))
         self.b2 = nn.Parameter(torch.empty(E, d))
+        for p in self.parameters():
+            # fairseq's data-parallel all-reduce (legacy_ddp) and grad-norm skip parameters marked so:
+            # each rank holds different experts. Marked on one rank too, so that --clip-norm measures
+            # the same (shared) parameters whatever the world size.
+            p.expert = True
         self.reset_parameters()
 
     def reset_parameters(self):

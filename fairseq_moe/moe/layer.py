@@ -8,6 +8,7 @@ Data path: gate -> route (top-k, capacity) -> permute -> [all-to-all] -> grouped
 -> [all-to-all] -> unpermute. The all-to-alls run when the experts are spread over ranks (ep).
 """
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from kernels import permute, unpermute
 
-from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts
+from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
 from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES
@@ -60,6 +61,9 @@ class MoELayer(nn.Module):
         self.experts = Experts(
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first
         )
+        if ep is not None:
+            for p in self.experts.parameters():
+                p.register_hook(partial(expert_grad_hook, ep=ep))
 
     def forward(self, x, padding_mask=None):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).

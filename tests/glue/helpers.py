@@ -45,9 +45,10 @@ def train_argv(data, save_dir, *extra):
         "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
         "--encoder-layers", "2", "--decoder-layers", "2",
         "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-        "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "800", "--cpu", "--seed", "3",
+        "--max-tokens", "800", "--cpu", "--seed", "3",
         "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-format", "simple",
-        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar", *extra,
+        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
+        *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
     ]
 
 

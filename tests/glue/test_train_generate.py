@@ -28,6 +28,7 @@ def test_checkpoint_loads_with_weights_only(trained):
     assert state["optimizer_history"][-1]["num_updates"] == 6
     assert state["model"]["encoder.layers.1.fc1.moe.experts.w1"].shape == (4, 32, 64)
     assert state["model"]["decoder.layers.1.fc1.moe.gate.weight"].dtype == torch.float32
+    assert not hasattr(state["cfg"]["model"], "moe_ep")  # no process group in the saved config
 
 
 def test_without_the_plugin_the_checkpoint_is_refused(trained):

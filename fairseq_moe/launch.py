@@ -1,0 +1,100 @@
+"""Run a fairseq command on several CPU processes of this machine (gloo), one per rank.
+
+    python -m fairseq_moe.launch --nproc 4 -- fairseq-train data-bin --user-dir fairseq_moe --cpu ...
+
+fairseq's own multi-process spawn assumes CUDA devices, and its default --ddp-backend passes device
+ids; this launcher starts one process per rank with --distributed-no-spawn, gloo and legacy_ddp
+instead. On GPUs use fairseq's usual launch (or torchrun / Slurm): nothing of this is needed there.
+If a rank fails, the others are stopped, so that none waits forever in a collective.
+"""
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_command(command, rank, nproc, port):
+    """The command of one rank: the user's, plus the distributed flags it did not set itself."""
+    given = set(a.split("=")[0] for a in command if a.startswith("--"))
+    extra = [
+        "--distributed-world-size", str(nproc), "--distributed-rank", str(rank),
+        "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
+    ]
+    for flag, value in (("--distributed-backend", "gloo"), ("--ddp-backend", "legacy_ddp")):
+        if flag not in given:
+            extra += [flag, value]
+    for flag in ("--distributed-world-size", "--distributed-rank", "--distributed-init-method"):
+        if flag in given:
+            raise ValueError(f"{flag} is set by fairseq_moe.launch; remove it from the command")
+    # A console script of this interpreter's environment first (the venv need not be on PATH).
+    beside = os.path.join(os.path.dirname(sys.executable), command[0])
+    program = beside if os.path.isfile(beside) else shutil.which(command[0]) or command[0]
+    return [program, *command[1:], *extra]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="python -m fairseq_moe.launch --nproc N -- COMMAND ...")
+    parser.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
+    parser.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS per rank (default: cores / nproc, at least 1)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the fairseq command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if not command:
+        parser.error("no command given after --")
+    port = args.port or free_port()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    try:
+        commands = [rank_command(command, r, args.nproc, port) for r in range(args.nproc)]
+    except ValueError as err:
+        parser.error(str(err))
+
+    procs = []
+    for rank, cmd in enumerate(commands):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                   LOCAL_WORLD_SIZE=str(args.nproc))
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        procs.append(subprocess.Popen(cmd, env=env))
+    return wait_all(procs)
+
+
+def wait_all(procs):
+    """Wait for every rank; at the first failure stop the rest and return its exit code."""
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                for p in procs:
+                    p.wait()
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
