@@ -97,3 +97,21 @@ def test_cli_user_dir_after_pip_install(data_bin, tmp_path):
     out = subprocess.run([cli, *argv], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "moe_balance_loss" in out.stderr + out.stdout
+
+
+def test_interactive_loads_the_checkpoint(trained, data_bin, tmp_path, capsys):
+    from fairseq import options
+    from fairseq_cli import interactive
+
+    save, _ = trained
+    source = tmp_path / "input.txt"
+    source.write_text("a b c\nd e f g\n")
+    parser = options.get_interactive_generation_parser()
+    args = options.parse_args_and_arch(parser, [
+        data_bin, "--user-dir", USER_DIR, "--path", str(save / "checkpoint_last.pt"),
+        "--task", "moe_translation", "--source-lang", "src", "--target-lang", "tgt",
+        "--input", str(source), "--beam", "2", "--cpu",
+    ])
+    interactive.main(args)
+    hyps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("H-")]
+    assert len(hyps) == 2
