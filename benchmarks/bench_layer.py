@@ -1,0 +1,498 @@
+"""Forward+backward time and activation memory of MoELayer against its dense equivalent (CPU).
+
+The dense equivalent is k dense FFNs of size d x f (Linear(d, f) -> relu -> Linear(f, d)) applied to
+the same T tokens and summed: the FLOPs of a top-k MoE layer without any routing. Both are timed
+in the same process, interleaved (moe, dense, moe, dense, ...) after a warm-up, and the median
+over --reps repetitions is reported.
+
+Memory: the bytes of the tensors that forward saves for backward (saved_tensors_hooks, deduplicated
+by storage, parameters and the input x excluded), cross-checked by glibc's malloc counters (bytes
+still in use after forward minus before it: the saved tensors plus the outputs).
+
+    .venv/bin/python benchmarks/bench_layer.py                      # full grid
+    .venv/bin/python benchmarks/bench_layer.py --E 8 --T 1024 --reps 3
+    .venv/bin/python benchmarks/bench_layer.py --E 128 --T 16384 --profile   # + stage breakdown
+
+See benchmarks/README.md for what each column means.
+"""
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fairseq_moe.moe import MoEConfig, MoELayer  # noqa: E402
+import fairseq_moe.moe.layer as layer_module  # noqa: E402
+
+# Targets at the largest T of the grid (16384 by default): time ratio per E, and memory ratio.
+TIME_TARGETS = {8: 1.15, 32: 1.3, 128: 1.6}
+MEMORY_TARGET = 1.5
+BALANCE_COEF, Z_COEF = 0.01, 0.001  # loss weights of the aux losses in the MoE backward
+MB = 2**20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--E", type=int, nargs="+", default=[8, 32, 128], help="numbers of experts")
+    p.add_argument("--T", type=int, nargs="+", default=[4096, 16384], help="numbers of tokens")
+    p.add_argument("--d", type=int, default=512, help="model dim")
+    p.add_argument("--f", type=int, default=2048, help="ffn dim (of each expert and dense FFN)")
+    p.add_argument("--k", type=int, default=2, help="top-k (= number of dense FFNs summed)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions of each (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps of each before timing")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
+    p.add_argument("--timer", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter; cpu: process CPU time (robust to a busy machine with "
+                        "--threads 1; with more threads it also counts OpenMP spin-waiting)")
+    p.add_argument("--dropless", action="store_true", help="capacity_factor=0 (no token dropped)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="ignored with --dropless")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one MoE step per config and print where its time goes")
+    p.add_argument("--json", metavar="PATH", help="write the results (and the settings) here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# The two models and one training step of each
+
+
+class DenseEquivalent(nn.Module):
+    """k dense FFNs (Linear(d, f) -> relu -> Linear(f, d)) on the same tokens, outputs summed."""
+
+    def __init__(self, d, f, k):
+        super().__init__()
+        self.ffns = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, f), nn.ReLU(), nn.Linear(f, d)) for _ in range(k)
+        )
+
+    def forward(self, x):
+        y = self.ffns[0](x)
+        for ffn in self.ffns[1:]:
+            y = y + ffn(x)
+        return y
+
+
+def _clear_grads(module, x):
+    # set_to_none, like optimizer.zero_grad() by default: each backward allocates fresh grads.
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+
+
+def moe_forward(layer, x):
+    y, aux = layer(x)
+    return y, aux
+
+
+def moe_backward(out, grad_y):
+    y, aux = out
+    torch.autograd.backward(
+        [y, aux.balance_loss, aux.z_loss],
+        [grad_y, torch.tensor(BALANCE_COEF), torch.tensor(Z_COEF)],
+    )
+
+
+def dense_forward(dense, x):
+    return dense(x)
+
+
+def dense_backward(y, grad_y):
+    y.backward(grad_y)
+
+
+_CLOCK = time.perf_counter
+
+
+def timed_step(forward, backward, model, x, grad_y):
+    _clear_grads(model, x)
+    gc.collect()
+    t0 = _CLOCK()
+    out = forward(model, x)
+    backward(out, grad_y)
+    t1 = _CLOCK()
+    del out
+    return (t1 - t0) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _malloc_in_use_fn():
+    """A function returning the bytes glibc malloc has handed out and not freed, or None."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def in_use():
+        info = fn()
+        return info.uordblks + info.hblkhd  # small blocks in arenas + mmapped large blocks
+
+    return in_use
+
+
+_MALLOC_IN_USE = _malloc_in_use_fn()
+
+
+def saved_activation_bytes(forward, model, x):
+    """(bytes saved for backward by one forward, bytes malloc holds after forward - before).
+
+    Saved bytes: every tensor autograd saves passes through a pack hook; the storages are summed
+    once each (a view and its base count once, by storage data_ptr), leaving out the parameters and
+    the input x (they exist whether or not a graph is kept). Malloc bytes (None if glibc's
+    mallinfo2 is unavailable): the same saved tensors, plus the outputs, plus anything a forward
+    keeps alive outside autograd; temporaries freed inside forward do not count.
+    """
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    excluded.add(x.untyped_storage().data_ptr())
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in excluded and ptr not in storages:
+            storages[ptr] = s.nbytes()
+        return t
+
+    _clear_grads(model, x)
+    gc.collect()
+    before = _MALLOC_IN_USE() if _MALLOC_IN_USE else None
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = forward(model, x)
+    gc.collect()
+    after = _MALLOC_IN_USE() if _MALLOC_IN_USE else None
+    del out
+    retained = None if before is None else after - before
+    return sum(storages.values()), retained
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile: where the time of one MoE forward+backward goes
+
+
+def _scope(name, fn):
+    def wrapped(*a, **kw):
+        with torch.profiler.record_function(name):
+            return fn(*a, **kw)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _stage_scopes(layer):
+    """Wrap each stage of MoELayer.forward in a record_function scope (restored on exit).
+
+    Runtime instrumentation only: the layer's code is not changed, the callables it uses are
+    wrapped where they exist: the gate, route, permute / grouped MLP / unpermute (the unfused path),
+    experts.combine (the fused permute + grouped MLP + weighted unpermute, "moe_mlp"), aux losses.
+    """
+    undo = []
+
+    def wrap(obj, attr, name):
+        fn = getattr(obj, attr, None)
+        if fn is None:
+            return
+        had_own = attr in vars(obj)  # module function or an instance attribute, else a method
+        setattr(obj, attr, _scope(f"moe::{name}", fn))
+        undo.append((obj, attr, fn if had_own else None))
+
+    for n in ("route", "permute", "unpermute"):
+        wrap(layer_module, n, n)
+    wrap(layer.gate, "forward", "gate")
+    wrap(layer.experts, "forward", "grouped_mlp")
+    wrap(layer.experts, "combine", "moe_mlp")
+    wrap(layer, "_aux", "aux_losses")
+    try:
+        yield
+    finally:
+        for obj, attr, fn in reversed(undo):
+            if fn is None:
+                delattr(obj, attr)  # back to the class's method
+            else:
+                setattr(obj, attr, fn)
+
+
+_EVAL = "autograd::engine::evaluate_function:"
+_ROOTS = ("moe::forward", "moe::backward")
+
+
+def profile_moe_step(layer, x, grad_y):
+    """Where one MoE forward+backward spends its time, by stage and by aten op.
+
+    Forward: each op counts for the stage scope it runs in (gate, route, permute, grouped_mlp,
+    unpermute, aux_losses, or moe_mlp for the fused permute + grouped MLP + unpermute). Backward:
+    each autograd node counts for the stage whose forward op created it (autograd sequence_nr).
+    Times are self CPU times of the profiled ops in the calling thread (intra-op threads work
+    inside them), so they add up to the step.
+    Returns {"forward"|"backward": {stage: ms}}, {(direction, stage): {op: ms}}, {root: ms}.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    _clear_grads(layer, x)
+    gc.collect()
+    with _stage_scopes(layer), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("moe::forward"):
+            out = moe_forward(layer, x)
+        with torch.profiler.record_function("moe::backward"):
+            moe_backward(out, grad_y)
+    del out
+    events = prof.events()
+
+    def stage_scope(ev):
+        while ev is not None:
+            if ev.name.startswith("moe::") and ev.name not in _ROOTS:
+                return ev.name[len("moe::"):]
+            ev = ev.cpu_parent
+        return None
+
+    seq_stage = {}
+    for ev in events:
+        if ev.sequence_nr >= 0 and not ev.name.startswith(_EVAL):
+            st = stage_scope(ev)
+            if st is not None:
+                seq_stage.setdefault(ev.sequence_nr, st)
+
+    def classify(ev):
+        """(direction, stage) of an event, from its nearest stage scope or autograd node."""
+        while ev is not None:
+            if ev.name.startswith(_EVAL):
+                node = ev.name[len(_EVAL):].strip()
+                if "AccumulateGrad" in node:
+                    return "backward", "accumulate_grad"
+                return "backward", seq_stage.get(ev.sequence_nr, f"other: {node}")
+            if ev.name.startswith("moe::"):
+                if ev.name == "moe::forward":
+                    return "forward", "(outside stages)"
+                if ev.name == "moe::backward":
+                    return "backward", "(engine, outside nodes)"
+                return "forward", ev.name[len("moe::"):]
+            ev = ev.cpu_parent
+        return None, None
+
+    stages = {"forward": defaultdict(float), "backward": defaultdict(float)}
+    ops = defaultdict(lambda: defaultdict(float))
+    total = {}
+    for ev in events:
+        if ev.name in _ROOTS:
+            total[ev.name] = ev.cpu_time_total / 1e3
+        direction, stage = classify(ev)
+        if direction is None:
+            continue
+        ms = ev.self_cpu_time_total / 1e3
+        stages[direction][stage] += ms
+        if not ev.name.startswith(("moe::", _EVAL)):
+            ops[(direction, stage)][ev.name] += ms
+    return ({k: dict(v) for k, v in stages.items()},
+            {f"{k[0]}/{k[1]}": dict(v) for k, v in ops.items()}, total)
+
+
+def print_profile(E, T, stages, ops, total):
+    fwd, bwd = total.get("moe::forward", 0.0), total.get("moe::backward", 0.0)
+    step = fwd + bwd
+    print(f"\n  profile E={E} T={T}: forward {fwd:.1f} ms + backward {bwd:.1f} ms "
+          f"(one profiled step; self CPU time per stage, top ops inside)")
+    for direction in ("forward", "backward"):
+        for stage, ms in sorted(stages[direction].items(), key=lambda kv: -kv[1]):
+            if ms < 0.005 * step:
+                continue
+            top = sorted(ops.get(f"{direction}/{stage}", {}).items(), key=lambda kv: -kv[1])[:4]
+            detail = ", ".join(f"{n.replace('aten::', '')} {v:.0f}" for n, v in top if v >= 0.5)
+            print(f"    {direction:8s} {stage:24s} {ms:9.1f} ms {100 * ms / step:5.1f}%   {detail}")
+
+
+def saved_tensor_breakdown(layer, x, top=8):
+    """The largest storages one MoE forward saves for backward, with the line that saved them."""
+    import traceback
+
+    excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    excluded.add(x.untyped_storage().data_ptr())
+    seen = {}
+    here = os.path.abspath(__file__)
+
+    def pack(t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in excluded and ptr not in seen:
+            frames = [fr for fr in traceback.extract_stack()[:-1]
+                      if fr.filename != here and "/torch/" not in fr.filename]
+            fr = frames[-1] if frames else None
+            where = f"{os.path.basename(fr.filename)}:{fr.lineno} ({fr.name})" if fr else "?"
+            seen[ptr] = (s.nbytes(), tuple(t.shape), str(t.dtype).replace("torch.", ""), where)
+        return t
+
+    _clear_grads(layer, x)
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = moe_forward(layer, x)
+    del out
+    rows = sorted(seen.values(), key=lambda v: -v[0])
+    return [{"MB": b / MB, "shape": list(shape), "dtype": dt, "saved_at": where}
+            for b, shape, dt, where in rows[:top]], sum(v[0] for v in rows) / MB
+
+
+def print_saved(rows, total_mb):
+    print(f"  saved for backward by the MoE forward: {total_mb:.1f} MB; largest:")
+    for r in rows:
+        if r["MB"] >= 0.01 * total_mb:
+            shape = str(tuple(r["shape"]))
+            print(f"    {r['MB']:8.1f} MB  {shape:>14s} {r['dtype']:8s} saved at {r['saved_at']}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_config(args, E, T):
+    torch.manual_seed(args.seed)
+    d, f, k = args.d, args.f, args.k
+    cf = 0.0 if args.dropless else args.capacity_factor
+    layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf))
+    layer.train()
+    dense = DenseEquivalent(d, f, k).train()
+    x = torch.randn(T, d, requires_grad=True)
+    grad_y = torch.randn(T, d)
+
+    with torch.no_grad():
+        _, aux = layer(x)
+    dropped = aux.dropped_fraction
+
+    for _ in range(args.warmup):
+        timed_step(moe_forward, moe_backward, layer, x, grad_y)
+        timed_step(dense_forward, dense_backward, dense, x, grad_y)
+    moe_ms, dense_ms = [], []
+    for _ in range(args.reps):
+        moe_ms.append(timed_step(moe_forward, moe_backward, layer, x, grad_y))
+        dense_ms.append(timed_step(dense_forward, dense_backward, dense, x, grad_y))
+
+    moe_saved, moe_malloc = saved_activation_bytes(moe_forward, layer, x)
+    dense_saved, dense_malloc = saved_activation_bytes(dense_forward, dense, x)
+
+    result = {
+        "E": E, "T": T, "d": d, "f": f, "k": k, "capacity_factor": cf,
+        "dropped_fraction": dropped,
+        "moe_ms": statistics.median(moe_ms), "dense_ms": statistics.median(dense_ms),
+        "moe_ms_all": moe_ms, "dense_ms_all": dense_ms,
+        "moe_saved_bytes": moe_saved, "dense_saved_bytes": dense_saved,
+        "moe_malloc_retained_bytes": moe_malloc, "dense_malloc_retained_bytes": dense_malloc,
+    }
+    result["time_ratio"] = result["moe_ms"] / result["dense_ms"]
+    result["memory_ratio"] = moe_saved / dense_saved
+    if args.profile:
+        timed_step(moe_forward, moe_backward, layer, x, grad_y)  # warm again after the memory pass
+        stages, ops, total = profile_moe_step(layer, x, grad_y)
+        saved_rows, saved_mb = saved_tensor_breakdown(layer, x)
+        result["profile"] = {"stage_ms": stages, "op_ms": ops, "total_ms": total,
+                             "saved_tensors": saved_rows}
+    return result
+
+
+def _fmt_mb(b):
+    return "-" if b is None else f"{b / MB:.1f}"
+
+
+def print_row(r, header=False):
+    cols = ("E", "T", "moe ms", "dense ms", "time ratio", "moe saved MB", "dense saved MB",
+            "mem ratio", "dropped", "moe malloc MB", "dense malloc MB")
+    widths = (5, 6, 9, 9, 10, 12, 14, 9, 8, 13, 15)
+    if header:
+        print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+        return
+    vals = (str(r["E"]), str(r["T"]), f"{r['moe_ms']:.1f}", f"{r['dense_ms']:.1f}",
+            f"{r['time_ratio']:.3f}", _fmt_mb(r["moe_saved_bytes"]), _fmt_mb(r["dense_saved_bytes"]),
+            f"{r['memory_ratio']:.3f}", f"{100 * r['dropped_fraction']:.1f}%",
+            _fmt_mb(r["moe_malloc_retained_bytes"]), _fmt_mb(r["dense_malloc_retained_bytes"]))
+    print("  ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
+
+
+def checks(args, results):
+    """PASS/FAIL lines: targets at the largest T, and memory linear in T. Never exits non-zero."""
+    lines = []
+    by = {(r["E"], r["T"]): r for r in results}
+    t_max = max(args.T)
+    for E in args.E:
+        r = by.get((E, t_max))
+        if r is None:
+            continue
+        target = TIME_TARGETS.get(E)
+        if target is not None:
+            ok = r["time_ratio"] <= target
+            lines.append(f"{'PASS' if ok else 'FAIL'}  time ratio E={E} T={t_max}: "
+                         f"{r['time_ratio']:.3f} (target <= {target})")
+        ok = r["memory_ratio"] <= MEMORY_TARGET
+        lines.append(f"{'PASS' if ok else 'FAIL'}  memory ratio E={E} T={t_max}: "
+                     f"{r['memory_ratio']:.3f} (target <= {MEMORY_TARGET})")
+    if t_max != 16384:
+        lines.append(f"note: targets are defined at T=16384; checked here at T={t_max}")
+    t_min = min(args.T)
+    if t_min != t_max:
+        expect = t_max / t_min
+        for E in args.E:
+            lo, hi = by.get((E, t_min)), by.get((E, t_max))
+            if lo is None or hi is None:
+                continue
+            for name in ("moe", "dense"):
+                ratio = hi[f"{name}_saved_bytes"] / lo[f"{name}_saved_bytes"]
+                ok = ratio <= 1.05 * expect  # activations must not grow faster than T
+                lines.append(f"{'PASS' if ok else 'FAIL'}  {name} memory linear in T, E={E}: "
+                             f"saved(T={t_max}) / saved(T={t_min}) = {ratio:.3f} (linear: {expect:.3f})")
+    return lines
+
+
+def main(argv=None):
+    global _CLOCK
+    args = parse_args(argv)
+    _CLOCK = time.process_time if args.timer == "cpu" else time.perf_counter
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
+          f"d={args.d} f={args.f} k={args.k} fp32, "
+          f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
+          f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
+    print_row(None, header=True)
+    results = []
+    for T in args.T:
+        for E in args.E:
+            r = run_config(args, E, T)
+            results.append(r)
+            print_row(r)
+            if args.profile:
+                p = r["profile"]
+                print_profile(E, T, p["stage_ms"], p["op_ms"], p["total_ms"])
+                print_saved(p["saved_tensors"], r["moe_saved_bytes"] / MB)
+                print_row(None, header=True)
+    print()
+    lines = checks(args, results)
+    for line in lines:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"settings": {**vars(args), "threads": threads}, "results": results,
+                       "checks": lines, "torch": torch.__version__}, fh, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
