@@ -145,9 +145,15 @@ class MoETransformerModel(TransformerModel):
                 f"--decoder-moe-freq {args.decoder_moe_freq}) puts no MoE layer in "
                 f"{args.encoder_layers} encoder / {args.decoder_layers} decoder layers"
             )
-        for side in ("encoder", "decoder"):
-            if getattr(args, f"moe_{side}_layer_ids"):
-                moe_config(args, side)
+        configs = [moe_config(args, side) for side in ("encoder", "decoder")
+                   if getattr(args, f"moe_{side}_layer_ids")]
+        frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
+        if 0 < frac < k / args.moe_expert_count:
+            logger.warning(
+                "--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take "
+                "fewer tokens than its fair share at validation and generation, so tokens will be "
+                "dropped even with a perfectly balanced router (use -1 for the training capacity)",
+                frac, k, args.moe_expert_count)
         args.moe_ep = build_expert_parallel(args)
         model = super().build_model(args, task)
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
@@ -157,7 +163,7 @@ class MoETransformerModel(TransformerModel):
         logger.info(
             "MoE layers: encoder %s, decoder %s; %d experts, top-%d",
             args.moe_encoder_layer_ids, args.moe_decoder_layer_ids,
-            args.moe_expert_count, moe_blocks(model)[0][1].moe.cfg.top_k,
+            args.moe_expert_count, k,
         )
         return model
 
@@ -209,6 +215,8 @@ def moe_transformer_tiny(args):
         setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 3))
         setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
     args.moe_expert_count = getattr(args, "moe_expert_count", 4)
+    # With few experts fairseq's 0.25 would drop tokens at eval by construction (k / E >= 0.25).
+    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", -1.0)
     moe_transformer(args)
 
 
