@@ -11,9 +11,10 @@ except ImportError:  # the layer alone (fairseq_moe.moe) needs only torch
 
 if fairseq is not None:
     from . import compat
-    from .checkpoint import register_safe_globals
+    from .checkpoint import install_expert_parallel_checkpointing, register_safe_globals
 
     register_safe_globals()
+    install_expert_parallel_checkpointing()
     compat.apply()
     # Importing these modules registers them with fairseq.
     from .criterions import moe_cross_entropy  # noqa: F401

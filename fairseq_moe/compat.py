@@ -1,5 +1,7 @@
 """Fixes for the fairseq 0.12 releases this plugin supports, applied when the plugin is imported.
 
+1. Dropped last batch (below). 2. Multi-rank resume under torch >= 2.6 (_broadcast_with_omegaconf).
+
 fairseq 0.12's data_utils.batch_by_size drops the last batch whenever its size is not a multiple of
 --required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
 sentences (the score is computed on the rest) and training never sees the longest examples.
@@ -7,7 +9,9 @@ We keep that batch, as fairseq did before 0.12; batches stay within --max-tokens
 """
 
 import numpy as np
+import torch
 from fairseq.data import data_utils
+from fairseq.distributed import utils as distributed_utils
 
 
 
@@ -31,3 +35,37 @@ def _keep_last_batch(batch_by_size):
 def apply():
     if not getattr(data_utils.batch_by_size, "keeps_last_batch", False):
         data_utils.batch_by_size = _keep_last_batch(data_utils.batch_by_size)
+    if not getattr(distributed_utils._broadcast_object_slow, "allows_omegaconf", False):
+        distributed_utils._broadcast_object_slow = _broadcast_with_omegaconf(
+            distributed_utils._broadcast_object_slow, _broadcast_globals())
+
+
+def _broadcast_globals():
+    """What fairseq pickles when it broadcasts a loaded checkpoint from rank 0 to the others."""
+    import collections
+    import typing
+
+    import omegaconf
+    from omegaconf import nodes
+    from omegaconf.base import ContainerMetadata, Metadata
+
+    node_types = [getattr(nodes, n) for n in ("AnyNode", "StringNode", "IntegerNode", "FloatNode",
+                                             "BooleanNode", "EnumNode", "PathNode") if hasattr(nodes, n)]
+    return [omegaconf.DictConfig, omegaconf.ListConfig, ContainerMetadata, Metadata, typing.Any,
+            collections.defaultdict, distributed_utils._TensorPlaceholder, *node_types,
+            dict, list, int, float, str, bool]  # builtins that OmegaConf's pickles name
+
+
+def _broadcast_with_omegaconf(broadcast_object_slow, allowed):
+    """fairseq's resume on several ranks: rank 0 reads the checkpoint (weights_only=True) and
+    broadcasts the state, in which fairseq has turned the config into an OmegaConf object; the other
+    ranks unpickle it with torch.load, whose weights_only default (torch >= 2.6) refuses OmegaConf
+    and fails every multi-rank resume. Allow exactly those config classes for this in-job transfer;
+    checkpoint files stay loaded with the narrow list of checkpoint.py."""
+
+    def wrapped(obj, src_rank, group, dist_device):
+        with torch.serialization.safe_globals(allowed):
+            return broadcast_object_slow(obj, src_rank, group, dist_device)
+
+    wrapped.allows_omegaconf = True
+    return wrapped

@@ -59,7 +59,8 @@ class MoELayer(nn.Module):
         self.gate = GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32)
         local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
         self.experts = Experts(
-            local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first
+            local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
+            cfg.num_experts,
         )
         if ep is not None:
             for p in self.experts.parameters():

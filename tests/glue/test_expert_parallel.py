@@ -1,8 +1,9 @@
 """fairseq-train with the experts spread over W gloo processes equals the same run on one process.
 
 Same model, same global batch (one process uses --update-freq W), dropless, no dropout: after a few
-updates the loss and the parameters agree within float rounding. Rank 0's checkpoint holds the shared parameters
-and rank 0's experts, which must equal the first E/W experts of the one-process model.
+updates the loss and the parameters agree within float rounding. The checkpoint of the W-rank run holds
+every expert (gathered from all ranks at save time), loads on one process for fairseq-generate, and
+is refused for resuming without --reset-optimizer (the experts' optimizer state is per rank).
 """
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from .helpers import run_train, train_argv
+from .helpers import USER_DIR, run_generate, run_train, train_argv
 
 # SGD, not Adam: the key-projection biases have an exactly-zero gradient (softmax ignores a shift),
 # and Adam would turn float rounding there into full-size steps of random sign.
@@ -40,9 +41,18 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
     assert b["extra_state"]["val_loss"] == pytest.approx(a["extra_state"]["val_loss"], rel=1e-5)
     a, b = a["model"], b["model"]
     assert set(a) == set(b)
-    local = 4 // world_size
+    assert b["encoder.layers.1.fc1.moe.experts.w1"].shape[0] == 4  # all experts, not rank 0's
     for name, pa in a.items():
-        pb = b[name]
-        if ".experts." in name:
-            pa = pa[:local]  # rank 0 holds experts 0 .. E/W - 1
-        torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(b[name], pa, rtol=1e-5, atol=1e-6, msg=name)
+    if world_size > 2:
+        return
+
+    scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(many / "checkpoint_last.pt"),
+                           "--task", "moe_translation", "--gen-subset", "test", "--beam", "2", "--cpu"])
+    assert "BLEU" in scorer.result_string()
+
+    cmd = [c if c != "4" or cmd[i - 1] != "--max-update" else "6" for i, c in enumerate(cmd)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode != 0 and "--reset-optimizer" in out.stderr
+    out = subprocess.run(cmd + ["--reset-optimizer"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
