@@ -69,9 +69,18 @@ class MoETranslationTask(TranslationTask):
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
-        if not moe_blocks(model):
+        blocks = moe_blocks(model)
+        if not blocks:
             raise ValueError(
                 f"--task moe_translation needs a model with MoE layers; --arch {getattr(cfg, 'arch', '?')} has none"
+            )
+        if self.cfg.eval_bleu and any(block.moe.ep is not None for _, block in blocks):
+            # Every MoE forward is then a collective, and beam search stops after a different
+            # number of steps on each rank: the ranks would wait for each other forever.
+            raise ValueError(
+                "--eval-bleu cannot run with the experts spread over several ranks (beam search "
+                "takes a different number of steps on each rank, and every MoE layer is a "
+                "collective); validate the loss here and score BLEU with fairseq-generate"
             )
         return model
 

@@ -67,3 +67,16 @@ def test_moe_task_needs_moe_layers(data_bin, tmp_path):
     argv[argv.index("moe_transformer_tiny")] = "transformer"
     with pytest.raises(ValueError, match="moe_translation"):
         build(argv)
+
+
+def test_eval_bleu_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
+    """With experts on several ranks, --eval-bleu would hang in beam search: refused at start-up."""
+    from fairseq_moe.models import moe_transformer
+    from fairseq_moe.moe.comm import ExpertParallel
+
+    task, model, _, args = build(train_argv(data_bin, tmp_path, "--eval-bleu", "--eval-bleu-detok", "space"))
+    assert task.cfg.eval_bleu  # on one process it is fine
+    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
+    with pytest.raises(ValueError, match="--eval-bleu"):
+        task.build_model(args)
