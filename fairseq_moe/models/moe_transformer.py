@@ -49,6 +49,9 @@ def add_moe_args(parser):
     add("--moe-a2a-local-size", type=int, metavar="L",
         help="ranks per node for the hierarchical all-to-all (default: the launcher's LOCAL_WORLD_SIZE; "
              "1 or all ranks: flat all-to-all)")
+    add("--moe-a2a-overlap-degree", type=int, metavar="D",
+        help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
+             "overlap expert compute (flat all-to-all only; default 1: no overlap)")
 
 
 def moe_config(args, side):
@@ -86,7 +89,7 @@ def build_expert_parallel(args):
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     local = args.moe_a2a_local_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    ep = expert_parallel(args.moe_expert_count, local_size=local)
+    ep = expert_parallel(args.moe_expert_count, local_size=local, overlap_degree=args.moe_a2a_overlap_degree)
     logger.info("expert parallel: %d experts per rank on %d ranks, %d replica(s), %s all-to-all",
                 ep.num_local_experts, ep.size, ep.replicas,
                 f"hierarchical {ep.size // ep.local_size}x{ep.local_size}" if ep.local_size > 1 else "flat")
@@ -145,6 +148,8 @@ class MoETransformerModel(TransformerModel):
                 f"--decoder-moe-freq {args.decoder_moe_freq}) puts no MoE layer in "
                 f"{args.encoder_layers} encoder / {args.decoder_layers} decoder layers"
             )
+        if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
+            raise ValueError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
         configs = [moe_config(args, side) for side in ("encoder", "decoder")
                    if getattr(args, f"moe_{side}_layer_ids")]
         frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
@@ -198,6 +203,7 @@ def moe_base_architecture(args):
     args.moe_gating_use_fp32 = getattr(args, "moe_gating_use_fp32", True)
     args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
     args.moe_a2a_local_size = getattr(args, "moe_a2a_local_size", None)
+    args.moe_a2a_overlap_degree = getattr(args, "moe_a2a_overlap_degree", 1)
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")

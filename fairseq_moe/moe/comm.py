@@ -26,17 +26,19 @@ class ExpertParallel:
     local_group: Optional[object] = None  # hierarchical a2a: ranks of this node in the EP group
     node_group: Optional[object] = None  # hierarchical a2a: same local index on every node
     local_size: int = 1  # L: ranks per node in the EP group (1 = flat all-to-all)
+    overlap_degree: int = 1  # chunks whose all-to-alls overlap expert compute (pipeline.py)
 
     @property
     def first_expert(self):
         return self.rank * self.num_local_experts
 
 
-def expert_parallel(num_experts, local_size=None):
+def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     """Split num_experts over the default process group, replicating when W > E.
 
     E % W == 0: E/W experts per rank. W % E == 0: one expert per rank, W/E replicas of each.
     local_size (ranks per node, --moe-a2a-local-size): > 1 selects the hierarchical all-to-all.
+    overlap_degree (--moe-a2a-overlap-degree): > 1 overlaps the flat all-to-alls with expert compute.
     Every rank must call this in the same order (it creates process groups, a collective).
     """
     W, rank = dist.get_world_size(), dist.get_rank()
@@ -50,6 +52,8 @@ def expert_parallel(num_experts, local_size=None):
             f"multiple of the other (E/W experts per rank, or W/E replicas of each expert)"
         )
     replicas = W // P
+    if not isinstance(overlap_degree, int) or overlap_degree < 1:
+        raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")
     group, replica_group = _subgroups(W, P, rank)
     L = local_size or 1
     if L < 1 or P % L:
@@ -59,8 +63,11 @@ def expert_parallel(num_experts, local_size=None):
         local_group, node_group = _hierarchy(W, P, L, rank)
     else:
         L = 1
+    if overlap_degree > 1 and L > 1:
+        raise ValueError("--moe-a2a-overlap-degree > 1 works with the flat all-to-all only; "
+                         f"drop it or set --moe-a2a-local-size 1 (got {L})")
     return ExpertParallel(group, P, rank % P, num_experts // P, replicas, replica_group,
-                          local_group, node_group, L)
+                          local_group, node_group, L, overlap_degree)
 
 
 def _subgroups(W, P, rank):

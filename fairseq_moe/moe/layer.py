@@ -21,6 +21,7 @@ from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES
 from .losses import balance_loss, gate_entropy, router_z_loss
+from .pipeline import pipelined_experts
 from .routing import route
 
 
@@ -98,6 +99,8 @@ class MoELayer(nn.Module):
         """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
         P, El = self.ep.size, self.ep.num_local_experts
         send = counts.view(P, El)  # rows for (destination rank, its local expert)
+        if self.ep.overlap_degree > 1:
+            return pipelined_experts(rows, send, self.experts, self.ep, self.ep.overlap_degree)
         recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
         x = all_to_all(rows, send.sum(1), recv.sum(1), self.ep)  # (source, local expert) order
         order = block_transpose_index(recv)  # -> (local expert, source) order

@@ -42,6 +42,7 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--moe-top1-expert", "--moe-top-k", "2"), "--moe-top1-expert"),
     (("--activation-fn", "tanh"), "--activation-fn"),
     (("--moe-gate-loss-wt", "-0.1"), "--moe-gate-loss-wt"),
+    (("--moe-a2a-overlap-degree", "0"), "--moe-a2a-overlap-degree"),
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
 ])

@@ -2,7 +2,8 @@
 
 Each test spawns W CPU processes once and runs its checks inside them: a flat and a hierarchical
 all-to-all return exactly what the formula says (zero-row peers included), forward and backward;
-MoELayer with experts spread over the ranks equals the single-process layer with the same weights.
+MoELayer with experts spread over the ranks equals the single-process layer with the same weights,
+with and without the all-to-alls overlapped with expert compute (--moe-a2a-overlap-degree).
 """
 import datetime
 import os
@@ -66,12 +67,12 @@ def _check_all_to_all(rank, W, local_size):
     assert torch.equal(x.grad, back)
 
 
-def _check_layer(rank, W, E, k, capacity_factor, local_size):
+def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1):
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
                     eval_capacity_token_fraction=-1)
     torch.manual_seed(0)
     full = MoELayer(cfg).double()  # all E experts, the same weights on every rank
-    ep = expert_parallel(E, local_size=local_size)
+    ep = expert_parallel(E, local_size=local_size, overlap_degree=overlap_degree)
     torch.manual_seed(0)
     spread = MoELayer(cfg, ep).double()
     lo, hi = ep.first_expert, ep.first_expert + ep.num_local_experts
@@ -104,6 +105,8 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size):
 def _check_bad_split(rank, W):
     with pytest.raises(ValueError, match="--moe-expert-count 3"):
         expert_parallel(3)
+    with pytest.raises(ValueError, match="--moe-a2a-overlap-degree"):
+        expert_parallel(2, overlap_degree=0)
 
 
 def _run_all(rank, W, checks):
@@ -116,6 +119,7 @@ CHECKS = {
     2: [
         (_check_all_to_all, (None,)),
         (_check_layer, (4, 2, 0.0, None)),  # E/W = 2 experts per rank, dropless
+        (_check_layer, (4, 2, 0.0, None, 3)),  # all-to-alls overlapped with compute, 3 chunks
         (_check_bad_split, ()),
     ],
     4: [
@@ -123,6 +127,7 @@ CHECKS = {
         (_check_layer, (8, 2, 1.0, 2)),  # capacity dropping, hierarchical all-to-all
         (_check_layer, (2, 1, 0.0, None)),  # W/E = 2 replicas of each expert
         (_check_layer, (4, 4, 0.0, None)),  # k = 4
+        (_check_layer, (8, 2, 1.0, None, 2)),  # overlap, capacity dropping, a rank with no tokens
     ],
 }
 
@@ -131,3 +136,17 @@ CHECKS = {
 @pytest.mark.parametrize("world_size", sorted(CHECKS))
 def test_expert_parallel(world_size):
     spawn(_run_all, world_size, CHECKS[world_size])
+
+
+@pytest.mark.parametrize("D", [1, 2, 3, 7])
+def test_overlap_chunks_partition_every_block(D):
+    from fairseq_moe.moe.pipeline import chunk_counts, chunk_index
+
+    send = torch.tensor([[3, 0, 2], [0, 0, 0], [1, 5, 4], [0, 1, 0]])  # [P, El], an empty peer
+    chunks = chunk_counts(send, D)  # [P, D, El]
+    assert torch.equal(chunks.sum(1), send) and (chunks >= 0).all()
+    rows = torch.cat(chunk_index(chunks))
+    assert torch.equal(rows.sort().values, torch.arange(int(send.sum())))
+    # Inside each chunk, rows stay ordered by destination, then by local expert.
+    for idx in chunk_index(chunks):
+        assert torch.equal(idx, idx.sort().values)
