@@ -81,13 +81,13 @@ def _recompute_a(saved, mask, activation, dropout_p):
     return a if mask is None else a * mask / (1 - dropout_p)
 
 
-def _grad_buffer(like, sizes):
-    """An uninitialised [E, ...] gradient buffer with zeros for the experts that got no rows.
+def _grad_buffer(like, shape, sizes):
+    """An uninitialised [E, ...] gradient buffer (like's dtype/device) with zeros for the experts that got no rows.
 
     Every other expert's slice is overwritten whole by its GEMM; zero-filling the whole buffer
     first would cost about 7% of a step at E=128 (measured, benchmarks/bench_layer.py --profile).
     """
-    buf = torch.empty_like(like)
+    buf = like.new_empty(shape)
     for e, n in enumerate(sizes):
         if n == 0:
             buf[e].zero_()
@@ -100,8 +100,8 @@ def _fc2_backward(a, gy, sizes, w2, need_w2, need_b2, row_scale=None):
     row_scale [N, 1]: the fc2 output was multiplied row-wise by it; gy is the gradient before that
     scaling, so the weight gradients use gy * row_scale while the returned gy W2^T stays unscaled.
     """
-    gw2 = _grad_buffer(w2, sizes) if need_w2 else None
-    gb2 = _grad_buffer(w2.new_empty(w2.shape[0], w2.shape[2]), sizes) if need_b2 else None
+    gw2 = _grad_buffer(w2, w2.shape, sizes) if need_w2 else None
+    gb2 = _grad_buffer(w2, (w2.shape[0], w2.shape[2]), sizes) if need_b2 else None
     da = torch.empty_like(a)
     for e, s, t in _blocks(sizes):
         g = gy[s:t] if row_scale is None else gy[s:t] * row_scale[s:t]
@@ -121,8 +121,8 @@ def _fc1_backward(x, saved, mask, da, sizes, w1, activation, dropout_p, need_x, 
         dh = torch.ops.aten.threshold_backward(da, saved, 0)
     else:
         dh = _activation_grad(saved, da, activation)
-    gw1 = _grad_buffer(w1, sizes) if need_w1 else None
-    gb1 = _grad_buffer(w1.new_empty(w1.shape[0], w1.shape[2]), sizes) if need_b1 else None
+    gw1 = _grad_buffer(w1, w1.shape, sizes) if need_w1 else None
+    gb1 = _grad_buffer(w1, (w1.shape[0], w1.shape[2]), sizes) if need_b1 else None
     gx = torch.empty_like(x) if need_x else None
     for e, s, t in _blocks(sizes):
         if need_w1:

@@ -58,16 +58,17 @@ class Experts(nn.Module):
     def num_experts(self):
         return self.w1.shape[0]
 
-    def _dropout(self):
+    def dropout_p(self):
+        """Activation dropout in force now (0 at eval)."""
         return self.activation_dropout if self.training else 0.0
 
     def forward(self, rows, counts):  # rows: [N, d] sorted by expert, counts: [E] -> [N, d]
-        return grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation, self._dropout())
+        return grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation, self.dropout_p())
 
     def combine(self, x, token_index, weights, counts):
         """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d], fused."""
         return moe_mlp(x, token_index, weights, counts, self.w1, self.b1, self.w2, self.b2,
-                       self.activation, self._dropout())
+                       self.activation, self.dropout_p())
 
 
 def _consolidated_state(module, state_dict, prefix, local_metadata):

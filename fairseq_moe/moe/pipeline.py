@@ -107,4 +107,4 @@ class _Pipelined(torch.autograd.Function):
 def pipelined_experts(rows, send, experts, ep, degree):
     """rows [N, d] sorted by global expert, send [P, El] -> expert outputs [N, d], same order."""
     return _Pipelined.apply(rows, send, experts.w1, experts.b1, experts.w2, experts.b2, ep,
-                            experts.activation, experts._dropout(), degree)
+                            experts.activation, experts.dropout_p(), degree)
