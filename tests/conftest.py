@@ -1,6 +1,13 @@
 """Shared fixtures. Tests use tiny shapes: one intra-op thread is faster and immune to a busy machine."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (fp32). It must be chosen
+# before triton is first imported, so here, before any test module imports kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
