@@ -19,7 +19,10 @@ FLAGS = {
     "gate_fp32": "--moe-gating-use-fp32",
     "activation": "--activation-fn",
     "activation_dropout": "--activation-dropout",
+    "kernel_backend": "--moe-kernel-backend",
 }
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -46,6 +49,8 @@ class MoEConfig:
     gate_fp32: bool = True
     activation: str = "relu"
     activation_dropout: float = 0.0
+    # Kernels of the layer: torch (kernels/reference.py), triton (fused), auto = triton on CUDA.
+    kernel_backend: str = "auto"
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
@@ -74,6 +79,8 @@ class MoEConfig:
             bad("activation", f"must be one of {list(ACTIVATIONS)} in an MoE layer")
         if not 0.0 <= self.activation_dropout < 1.0:
             bad("activation_dropout", "must be in [0, 1)")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            bad("kernel_backend", f"must be one of {list(KERNEL_BACKENDS)}")
         return self
 
     def capacity(self, num_tokens, training):
