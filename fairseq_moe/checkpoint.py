@@ -1,67 +1,223 @@
-"""Safe loading of fairseq checkpoints with torch.load(weights_only=True).
+"""fairseq checkpoints of MoE models: safe loading, and expert-parallel saves that lose nothing.
 
-torch >= 2.6 loads with weights_only=True, which refuses any class it was not told about.
-A fairseq 0.12 checkpoint pickles one such class, argparse.Namespace (its "args"). We allow exactly
-the classes listed here, so fairseq-generate and --restore-file work while an arbitrary pickled
-object is still refused. Never switch weights_only off instead.
+1. torch >= 2.6 loads with weights_only=True, which refuses any class it was not told about. A fairseq
+   0.12 checkpoint pickles one such class, argparse.Namespace (its "args"). We allow exactly that, so
+   fairseq-generate and --restore-file work while an arbitrary pickled object is still refused.
+   Never switch weights_only off instead.
+2. fairseq 0.12 writes a checkpoint from rank 0 alone, which holds only its own experts. When the experts
+   are spread over ranks, every rank writes NAME-rank-R.pt with its experts and their optimizer state,
+   and rank 0 writes NAME-shared.pt with the rest (format and checks: expert_checkpoint.py). Such a set
+   resumes at any world size, and fairseq-generate reads it with --path NAME-shared.pt.
 """
 import argparse
+import glob
+import logging
 import os
+from contextlib import contextmanager
+from itertools import chain
 
 import torch
 
+from . import expert_checkpoint as shards
+
 SAFE_GLOBALS = [argparse.Namespace]
+logger = logging.getLogger(__name__)
 
 
 def register_safe_globals():
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 
-def install_expert_parallel_checkpointing():
-    """Make fairseq's checkpoints keep every expert when the experts are spread over ranks.
-
-    fairseq 0.12 writes a checkpoint from rank 0 alone, which holds only its own experts. Before
-    each save, every rank takes part in gathering the experts to rank 0, whose state_dict then holds
-    all E of them: a consolidated checkpoint, which loads at any world size (each rank takes its
-    slice; fairseq-generate on one process takes all). The experts' optimizer state stays per rank
-    and is not in it, so resuming expert-parallel training from it without --reset-optimizer is
-    refused rather than silently giving every rank rank 0's Adam moments.
-    """
-    from fairseq import checkpoint_utils, trainer
-
-    if getattr(checkpoint_utils.save_checkpoint, "gathers_experts", False):
-        return
-    save_checkpoint, load_checkpoint = checkpoint_utils.save_checkpoint, trainer.Trainer.load_checkpoint
-
-    def save_with_all_experts(cfg, trainer_, epoch_itr, val_loss):
-        layers = _spread_layers(trainer_.model)
-        if not layers or cfg.no_save:
-            return save_checkpoint(cfg, trainer_, epoch_itr, val_loss)
-        from .moe.experts import gather_experts
-
-        for layer in layers:  # the same order on every rank
-            gather_experts(layer.experts, layer.ep.group)
-        try:
-            return save_checkpoint(cfg, trainer_, epoch_itr, val_loss)
-        finally:
-            for layer in layers:
-                layer.experts.gathered = None
-
-    def load_refusing_expert_optimizer(self, filename, reset_optimizer=False, *args, **kwargs):
-        if _spread_layers(self.model) and not reset_optimizer and os.path.exists(filename):
-            raise ValueError(
-                f"{filename}: resuming expert-parallel training would give every rank the optimizer "
-                f"state of rank 0's experts; the checkpoint keeps all expert weights but not their "
-                f"per-rank optimizer state. Restart the optimizer with --reset-optimizer."
-            )
-        return load_checkpoint(self, filename, reset_optimizer, *args, **kwargs)
-
-    save_with_all_experts.gathers_experts = True
-    checkpoint_utils.save_checkpoint = save_with_all_experts
-    trainer.Trainer.load_checkpoint = load_refusing_expert_optimizer
-
-
-def _spread_layers(model):
+def _moe_layers(model):
     from .moe import MoELayer
 
-    return [m for m in model.modules() if isinstance(m, MoELayer) and m.ep is not None]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def spread_experts(model):
+    """{state-dict name: (first expert, local experts, E)} of the experts spread over ranks."""
+    out = {}
+    for name, layer in _moe_layers(model):
+        if layer.ep is not None:
+            ex = layer.experts
+            for p in ("w1", "b1", "w2", "b2"):
+                out[f"{name}.experts.{p}"] = (ex.first_expert, ex.num_experts, ex.total_experts)
+    return out
+
+
+def _optimizer_index(trainer, names):
+    """Where each named parameter's state sits in the optimizer's state dict (fairseq's param order)."""
+    params = chain(trainer.get_model().named_parameters(), trainer.get_criterion().named_parameters())
+    order = [n for n, p in params if p.requires_grad]
+    return {n: i for i, n in enumerate(order) if n in names}
+
+
+def check_supported(args, spread):
+    """Training set-ups whose state cannot be cut per expert are refused before any update."""
+    if not spread:
+        return
+    if (getattr(args, "fp16", False) or getattr(args, "bf16", False)) and not (
+            getattr(args, "memory_efficient_fp16", False) or getattr(args, "fp16_no_flatten_grads", False)):
+        raise ValueError("--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
+                         "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert")
+    if getattr(args, "store_ema", False):
+        raise ValueError("--store-ema is not supported with experts spread over ranks: the EMA copy would "
+                         "hold only this rank's experts")
+    if getattr(args, "ddp_backend", None) == "fully_sharded":
+        raise ValueError("--ddp-backend fully_sharded is not supported with experts spread over ranks")
+
+
+@contextmanager
+def _swapped(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+class _CopySharedToo:
+    """fairseq's PathManager during a save: copying NAME-rank-R.pt to another name copies the set's
+    shared file along (rank 0), so checkpoint_last, checkpoint_best, ... are whole sets."""
+
+    def __init__(self, path_manager, master):
+        self._pm, self._master = path_manager, master
+
+    def __getattr__(self, name):
+        return getattr(self._pm, name)
+
+    def copy(self, src, dst, overwrite=False):
+        ok = self._pm.copy(src, dst, overwrite=overwrite)
+        if self._master and ok:
+            ok = self._pm.copy(shards.shared_path(shards.set_base(src)),
+                               shards.shared_path(shards.set_base(dst)), overwrite=overwrite)
+        return ok
+
+
+def _remove_orphans(save_dir):
+    """Shared files whose rank-0 file fairseq deleted (--keep-*-updates/epochs/best) go too."""
+    for shared in glob.glob(os.path.join(glob.escape(save_dir), "*-shared.pt")):
+        if not os.path.exists(shards.rank_path(shards.set_base(shared), 0)):
+            os.remove(shared)
+
+
+def install_expert_parallel_checkpointing():
+    """Patch fairseq's trainer and checkpoint_utils for sharded expert checkpoints (idempotent)."""
+    from fairseq import checkpoint_utils, trainer as trainer_module
+    from fairseq.distributed import utils as dist_utils
+
+    Trainer = trainer_module.Trainer
+    if getattr(Trainer, "moe_shards", False):
+        return
+    save_checkpoint, load_to_cpu = checkpoint_utils.save_checkpoint, checkpoint_utils.load_checkpoint_to_cpu
+    suffix, should_save = Trainer.checkpoint_suffix.fget, Trainer.should_save_checkpoint_on_current_rank.fget
+    trainer_save, trainer_load, trainer_state = Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer.state_dict
+
+    def spread_of(self):
+        if not hasattr(self, "_moe_spread"):
+            self._moe_spread = spread_experts(self.get_model())
+        return self._moe_spread
+
+    def checkpoint_suffix(self):
+        base = suffix(self)
+        return f"{base}-rank-{self.data_parallel_rank}" if spread_of(self) else base
+
+    def should_save_on_this_rank(self):
+        return True if spread_of(self) else should_save(self)
+
+    def state_dict(self):
+        state = trainer_state(self)
+        if _moe_layers(self.get_model()):  # where the data iterator stands depends on the world size
+            info = {"data_parallel_size": self.data_parallel_world_size}
+            state["extra_state"]["moe_checkpoint"] = info
+        return state
+
+    def save_sharded(self, filename, extra_state):
+        spread = spread_of(self)
+        if not spread:
+            return trainer_save(self, filename, extra_state)
+        from fairseq import utils
+
+        state = utils.move_to_cpu(self.state_dict())
+        state["extra_state"].update(extra_state)
+        info = shards.manifest(self.get_num_updates(), self._moe_save_id, self.data_parallel_world_size,
+                               {n: E for n, (_, _, E) in spread.items()},
+                               _optimizer_index(self, spread), self.data_parallel_world_size)
+        shared, mine = shards.split(state, {n: (f, c) for n, (f, c, _) in spread.items()},
+                                    self.data_parallel_rank, info)
+        async_write = self.cfg.checkpoint.write_checkpoints_asynchronously
+        checkpoint_utils.torch_persistent_save(mine, filename, async_write=async_write)
+        if self.is_data_parallel_master:
+            path = shards.shared_path(shards.set_base(filename))
+            checkpoint_utils.torch_persistent_save(shared, path, async_write=async_write)
+            logger.info(f"Saved expert-parallel checkpoint {path} and {self.data_parallel_world_size} "
+                        f"rank files")
+        return os.path.abspath(filename)
+
+    def save_checkpoint_sets(cfg, trainer, epoch_itr, val_loss):
+        if not spread_of(trainer) or cfg.no_save:
+            return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
+        # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
+        trainer._moe_save_id = dist_utils.broadcast_object(
+            shards.new_save_id(), src_rank=0, group=trainer.data_parallel_process_group)
+        master = trainer.is_data_parallel_master
+        with _swapped(checkpoint_utils, "PathManager", _CopySharedToo(checkpoint_utils.PathManager, master)):
+            out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        if master:
+            _remove_orphans(cfg.save_dir)
+        return out
+
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        base = shards.find_set(path)
+        if base is None:
+            return load_to_cpu(path, arg_overrides, load_on_all_ranks)
+        # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file,
+        # then put the experts in (only this rank's, when a trainer asked for them: _want).
+        state = load_to_cpu(shards.shared_path(base), arg_overrides, load_on_all_ranks)
+        full = shards.assemble(base, want=_want.get("ranges"))
+        return dict(full, **{k: v for k, v in state.items() if k not in ("model", "last_optimizer_state")})
+
+    def load_sharded(self, filename, *args, **kwargs):
+        base = shards.find_set(filename)
+        if base is not None:
+            filename = shards.shared_path(base)  # fairseq checks that the file it is given exists
+        spread = spread_of(self)
+        if not spread and base is None:
+            return with_rescaled_iterator(self, filename, args, kwargs)
+        ranges = {n: (f, f + c) for n, (f, c, _) in spread.items()}
+        # Every rank reads its own experts (fairseq would broadcast rank 0's state to all).
+        ckpt = self.cfg.checkpoint
+        with _swapped(ckpt, "load_checkpoint_on_all_dp_ranks", True if spread else
+                      ckpt.load_checkpoint_on_all_dp_ranks):
+            _want["ranges"] = ranges
+            try:
+                return with_rescaled_iterator(self, filename, args, kwargs, spread)
+            finally:
+                _want.pop("ranges", None)
+
+    def with_rescaled_iterator(self, filename, args, kwargs, spread=None):
+        reset_dataloader = self.cfg.checkpoint.reset_dataloader
+
+        def read(path, arg_overrides=None, load_on_all_ranks=False):
+            state = checkpoint_utils_load(path, arg_overrides, load_on_all_ranks)
+            if spread:
+                state = shards.cut_for_rank(state, spread)
+            if not reset_dataloader:
+                state = shards.rescale_iterator(state, self.data_parallel_world_size, path)
+            return state
+
+        checkpoint_utils_load = checkpoint_utils.load_checkpoint_to_cpu
+        with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read):
+            return trainer_load(self, filename, *args, **kwargs)
+
+    _want = {}
+    Trainer.checkpoint_suffix = property(checkpoint_suffix)
+    Trainer.should_save_checkpoint_on_current_rank = property(should_save_on_this_rank)
+    Trainer.state_dict = state_dict
+    Trainer.save_checkpoint = save_sharded
+    Trainer.load_checkpoint = load_sharded
+    Trainer.moe_shards = True
+    checkpoint_utils.save_checkpoint = save_checkpoint_sets
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

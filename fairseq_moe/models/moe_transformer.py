@@ -16,6 +16,7 @@ from fairseq.models.transformer import transformer_legacy as dense
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
+from ..checkpoint import check_supported
 from ..moe import GATES, MoEConfig
 from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
@@ -160,6 +161,7 @@ class MoETransformerModel(TransformerModel):
                 "dropped even with a perfectly balanced router (use -1 for the training capacity)",
                 frac, k, args.moe_expert_count)
         args.moe_ep = build_expert_parallel(args)
+        check_supported(args, spread=args.moe_ep is not None)
         model = super().build_model(args, task)
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
         model._ddp_params_and_buffers_to_ignore = [

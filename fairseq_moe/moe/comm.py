@@ -33,6 +33,24 @@ class ExpertParallel:
         return self.rank * self.num_local_experts
 
 
+def expert_parallel_size(num_experts, world_size):
+    """P, the ranks that together hold all E experts: W when E % W == 0, E when W % E == 0."""
+    if num_experts % world_size == 0:
+        return world_size
+    if world_size % num_experts == 0:
+        return num_experts
+    raise ValueError(
+        f"--moe-expert-count {num_experts} and --distributed-world-size {world_size}: one must be a "
+        f"multiple of the other (E/W experts per rank, or W/E replicas of each expert)"
+    )
+
+
+def local_experts(num_experts, world_size, rank):
+    """(first expert, number of experts) that rank holds when E experts are spread over W ranks."""
+    P = expert_parallel_size(num_experts, world_size)
+    return (rank % P) * (num_experts // P), num_experts // P
+
+
 def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     """Split num_experts over the default process group, replicating when W > E.
 
@@ -42,15 +60,7 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     Every rank must call this in the same order (it creates process groups, a collective).
     """
     W, rank = dist.get_world_size(), dist.get_rank()
-    if num_experts % W == 0:
-        P = W
-    elif W % num_experts == 0:
-        P = num_experts
-    else:
-        raise ValueError(
-            f"--moe-expert-count {num_experts} and --distributed-world-size {W}: one must be a "
-            f"multiple of the other (E/W experts per rank, or W/E replicas of each expert)"
-        )
+    P = expert_parallel_size(num_experts, W)
     replicas = W // P
     if not isinstance(overlap_degree, int) or overlap_degree < 1:
         raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")

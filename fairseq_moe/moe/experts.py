@@ -20,9 +20,6 @@ class Experts(nn.Module):
         E, d, f = num_experts, model_dim, ffn_dim
         self.first_expert = first_expert
         self.total_experts = total_experts or num_experts
-        # Set by gather_experts for one state_dict(): all E experts, for a consolidated checkpoint.
-        self.gathered = None
-        self._register_state_dict_hook(_consolidated_state)
         self.register_load_state_dict_pre_hook(_take_local_slice)
         self.activation = activation
         self.activation_dropout = activation_dropout
@@ -71,14 +68,6 @@ class Experts(nn.Module):
                        self.activation, self.dropout_p())
 
 
-def _consolidated_state(module, state_dict, prefix, local_metadata):
-    """state_dict() of a module whose experts were gathered holds all E experts."""
-    if module.gathered is not None:
-        for name, full in module.gathered.items():
-            state_dict[prefix + name] = full
-    return state_dict
-
-
 def _take_local_slice(module, state_dict, prefix, *args):
     """Loading all E experts (a consolidated checkpoint) into a rank that holds E_l of them."""
     lo, hi = module.first_expert, module.first_expert + module.num_experts
@@ -86,13 +75,3 @@ def _take_local_slice(module, state_dict, prefix, *args):
         full = state_dict.get(prefix + name)
         if full is not None and full.shape[0] == module.total_experts != module.num_experts:
             state_dict[prefix + name] = full[lo:hi]
-
-
-def gather_experts(experts, group):
-    """Gather every rank's experts of the group into experts.gathered (all E of them); a collective."""
-    gathered = {}
-    for name, p in experts.named_parameters():
-        parts = [torch.empty_like(p) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-        gathered[name] = torch.cat(parts)
-    experts.gathered = gathered

@@ -1,0 +1,242 @@
+"""Checkpoints of expert-parallel training: one file per rank for its experts, one shared file.
+
+For a checkpoint NAME.pt written by W ranks whose experts are spread (the layout of fairseq's moe branch):
+
+    NAME-shared.pt   fairseq's usual checkpoint without the spread experts: the shared weights and their
+                     optimizer state, lr scheduler, data iterator, metrics. Written by rank 0.
+    NAME-rank-R.pt   rank R's slice [E_l, ...] of every expert tensor and those experts' optimizer state
+                     (keyed by parameter name). Written by rank R.
+
+Every file carries the same manifest: the update number, a save id drawn once per save, the world size
+and the expert layout. Loading checks each file of the set against the shared file's manifest and stops
+with an error naming the first missing or mismatched file, so files of two different saves (say a crash
+in the middle of one) never load silently. A set loads at any world size: a rank's experts, and their
+optimizer state (tensors shaped like the parameter, cut along the expert dim), are taken from the old
+ranks' slices. Files are read memory-mapped, so a rank reads only the expert rows it needs.
+
+No fairseq import here: this is the file format, used by the trainer hooks (checkpoint.py) and the
+reshard/consolidate commands.
+"""
+import glob
+import os
+import re
+import uuid
+
+import torch
+
+from .moe.comm import local_experts
+
+FORMAT = 1
+_SHARD = re.compile(r"^(?P<base>.*?)(-shared|-rank-(?P<rank>\d+))?\.pt$")
+
+
+def set_base(path):
+    """NAME for NAME.pt, NAME-shared.pt or NAME-rank-R.pt."""
+    m = _SHARD.match(path)
+    if m is None:
+        raise ValueError(f"{path}: a checkpoint file name ends in .pt")
+    return m.group("base")
+
+
+def shared_path(base):
+    return f"{base}-shared.pt"
+
+
+def rank_path(base, rank):
+    return f"{base}-rank-{rank}.pt"
+
+
+def find_set(path):
+    """NAME if path names a sharded checkpoint (its shared file or any rank file exists), else None."""
+    if not path.endswith(".pt"):
+        return None
+    base = set_base(path)
+    if path == f"{base}.pt" and os.path.exists(path):
+        return None  # a plain checkpoint of that name: fairseq's own format
+    if os.path.exists(shared_path(base)) or glob.glob(glob.escape(base) + "-rank-*.pt"):
+        return base
+    return None
+
+
+def new_save_id():
+    return uuid.uuid4().hex
+
+
+def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_parallel_size):
+    """experts: {parameter name: E}; optimizer_index: {parameter name: index in the optimizer state}."""
+    return {"format": FORMAT, "num_updates": num_updates, "save_id": save_id, "world_size": world_size,
+            "experts": dict(experts), "optimizer_index": dict(optimizer_index),
+            "data_parallel_size": data_parallel_size}
+
+
+def split(state, spread, rank, info):
+    """Cut a fairseq checkpoint state of one rank into (shared state, this rank's shard).
+
+    spread: {parameter name: (first expert, local experts)} of this rank's spread experts;
+    info: the manifest (manifest()); its optimizer_index says where each expert's optimizer state sits.
+    """
+    model = dict(state["model"])
+    shard = {"moe_shard": dict(info, rank=rank, slices={k: list(v) for k, v in spread.items()}),
+             "model": {k: model.pop(k) for k in spread}, "optimizer": {}}
+    shared = dict(state, model=model, extra_state=dict(state["extra_state"], moe_checkpoint=info))
+    opt = state.get("last_optimizer_state")
+    if opt is not None:
+        per_param = dict(opt["state"])
+        for name, index in info["optimizer_index"].items():
+            if index in per_param:
+                shard["optimizer"][name] = per_param.pop(index)
+        shared["last_optimizer_state"] = dict(opt, state=per_param)
+    return shared, shard
+
+
+def _load(path, what):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: {what}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a truncated or foreign file: name it
+        raise ValueError(f"{path} cannot be read as a checkpoint shard ({e})") from e
+
+
+def read_set(base):
+    """(shared state, [rank shard of each rank]) after checking that every file belongs to one save."""
+    shared_file = shared_path(base)
+    shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
+                                f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)")
+    info = shared.get("extra_state", {}).get("moe_checkpoint")
+    if not info or "save_id" not in info:
+        raise ValueError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
+    W = info["world_size"]
+    shards = []
+    for r in range(W):
+        path = rank_path(base, r)
+        shard = _load(path, f"{shared_file} was written by {W} ranks and needs {base}-rank-0..{W - 1}.pt")
+        mine = shard.get("moe_shard", {})
+        for key in ("save_id", "num_updates", "world_size", "experts"):
+            if mine.get(key) != info[key]:
+                raise ValueError(
+                    f"{path} does not belong with {shared_file}: its {key} is {mine.get(key)!r}, the shared "
+                    f"file's is {info[key]!r}. The files come from different saves (a save that did not "
+                    f"finish?); resume from another checkpoint.")
+        for name, (first, count) in mine["slices"].items():
+            if (first, count) != local_experts(info["experts"][name], W, r):
+                raise ValueError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what rank "
+                                 f"{r} of {W} holds")
+        shards.append(shard)
+    return shared, shards
+
+
+def _cut(pieces, lo, hi):
+    """Rows lo..hi-1 (experts) from pieces [(first expert, tensor [count, ...])] of one tensor."""
+    parts = [t[max(lo, f) - f:min(hi, f + t.shape[0]) - f] for f, t in pieces if f < hi and f + t.shape[0] > lo]
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
+def _cut_optimizer_state(entries, lo, hi):
+    """The optimizer state of experts lo..hi-1 from [(first, count, state dict of one shard)]."""
+    out = {}
+    first_entry = entries[0][2]
+    for key, value in first_entry.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == entries[0][1]:
+            out[key] = _cut([(f, e[key]) for f, _, e in entries], lo, hi)
+        else:  # a scalar such as Adam's step: the same on every rank
+            out[key] = value.clone() if torch.is_tensor(value) else value
+    return out
+
+
+def assemble(base, want=None):
+    """The fairseq checkpoint state of a sharded set: the shared state with the experts put back.
+
+    want: {parameter name: (lo, hi)} to take only experts lo..hi-1 of a tensor (a rank of a new world
+    size), else all E. The optimizer state of the experts is cut the same way.
+    """
+    shared, shards = read_set(base)
+    info = shared["extra_state"]["moe_checkpoint"]
+    model = dict(shared["model"])
+    opt = shared.get("last_optimizer_state")
+    per_param = dict(opt["state"]) if opt is not None else None
+    for name, E in info["experts"].items():
+        lo, hi = (want or {}).get(name, (0, E))
+        owners = {}  # first expert -> shard (one replica of each slice)
+        for shard in shards:
+            owners.setdefault(shard["moe_shard"]["slices"][name][0], shard)
+        model[name] = _cut([(f, s["model"][name]) for f, s in sorted(owners.items())], lo, hi)
+        if per_param is not None and name in info["optimizer_index"]:
+            entries = [(f, s["moe_shard"]["slices"][name][1], s["optimizer"][name])
+                       for f, s in sorted(owners.items()) if name in s["optimizer"]]
+            if entries:
+                per_param[info["optimizer_index"][name]] = _cut_optimizer_state(entries, lo, hi)
+    state = dict(shared, model=model)
+    if opt is not None:
+        state["last_optimizer_state"] = dict(opt, state=per_param)
+    return state
+
+
+def cut_for_rank(state, spread):
+    """Slice a full-expert state (a consolidated file) down to this rank's experts, optimizer state too.
+
+    spread: {parameter name: (first, count, E)}; tensors that already hold count experts are kept.
+    """
+    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    index = info.get("optimizer_index", {})
+    opt = state.get("last_optimizer_state")
+    model = dict(state["model"])
+    per_param = dict(opt["state"]) if opt is not None else None
+    for name, (first, count, E) in spread.items():
+        t = model.get(name)
+        if t is not None and t.shape[0] == E != count:
+            model[name] = t[first:first + count]
+            if per_param is not None and index.get(name) in per_param:
+                per_param[index[name]] = _cut_optimizer_state([(0, E, per_param[index[name]])],
+                                                              first, first + count)
+    state = dict(state, model=model)
+    if opt is not None:
+        state["last_optimizer_state"] = dict(opt, state=per_param)
+    return state
+
+
+def rescale_iterator(state, world_size, path):
+    """Where the data iterator stands when a checkpoint of W ranks resumes on W' ranks.
+
+    fairseq's iterator state counts the batches one rank has taken in this epoch (n); the W ranks took
+    n * W of the epoch's batches, which W' ranks reach at n * W / W'.
+    """
+    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    old = info.get("data_parallel_size")
+    itr = state.get("extra_state", {}).get("train_iterator")
+    if not old or old == world_size or not itr or not itr.get("iterations_in_epoch"):
+        return state
+    n = itr["iterations_in_epoch"]
+    if n * old % world_size:
+        raise ValueError(
+            f"{path}: written by {old} ranks after {n} batches each of epoch {itr['epoch']}; {world_size} "
+            f"ranks cannot split those {n * old} batches evenly. Resume on a world size that divides "
+            f"{n * old}, or start the epoch's data afresh with --reset-dataloader.")
+    extra = dict(state["extra_state"], train_iterator=dict(itr, iterations_in_epoch=n * old // world_size))
+    return dict(state, extra_state=extra)
+
+
+def write(state, out, world_size, save=torch.save):
+    """Write a full-expert state as a set of world_size ranks at out (NAME.pt), or one file when 1.
+
+    Returns the paths written. The expert layout is the one expert_parallel() gives world_size ranks.
+    """
+    info = dict(state.get("extra_state", {}).get("moe_checkpoint") or {})
+    experts = info.get("experts") or {}
+    if not experts:
+        raise ValueError(f"no expert-parallel manifest in the input of {out}: nothing to reshard")
+    info.update(save_id=new_save_id(), world_size=world_size)
+    if world_size == 1:
+        state = dict(state, extra_state=dict(state["extra_state"], moe_checkpoint=info))
+        save(state, out)
+        return [out]
+    base = set_base(out)
+    written = []
+    for r in range(world_size):
+        spread = {name: local_experts(E, world_size, r) for name, E in experts.items()}
+        mine = cut_for_rank(state, {n: (f, c, experts[n]) for n, (f, c) in spread.items()})
+        shared, shard = split(mine, spread, r, info)
+        save(shard, rank_path(base, r))
+        written.append(rank_path(base, r))
+    save(shared, shared_path(base))
+    return written + [shared_path(base)]

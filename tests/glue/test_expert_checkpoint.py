@@ -1,0 +1,153 @@
+"""The sharded checkpoint format (expert_checkpoint.py) and the reshard/consolidate commands.
+
+A "full" state with E=4 experts is cut the way W training ranks save it; putting the set back together,
+at any world size and for any expert range, must give back exactly the full state: expert weights and
+their optimizer state. Sets from two different saves, missing and truncated files are refused by name.
+"""
+import os
+
+import pytest
+import torch
+
+from fairseq_moe import expert_checkpoint as shards
+from fairseq_moe.moe.comm import local_experts
+from fairseq_moe.reshard import main as reshard_main
+
+E = 4
+EXPERTS = {"enc.moe.experts.w1": (E, 3, 5), "enc.moe.experts.b1": (E, 5)}
+ORDER = ["shared.weight", "enc.moe.experts.w1", "enc.moe.experts.b1"]  # the optimizer's param order
+
+
+def full_state(updates=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"shared.weight": (6, 3), **EXPERTS}
+    model = {n: torch.randn(shapes[n], generator=g) for n in ORDER}
+    opt = {i: {"step": torch.tensor(float(updates)), "exp_avg": torch.randn(shapes[n], generator=g),
+               "exp_avg_sq": torch.rand(shapes[n], generator=g)} for i, n in enumerate(ORDER)}
+    return {
+        "model": model,
+        "last_optimizer_state": {"state": opt, "param_groups": [{"params": [0, 1, 2], "lr": 0.1}]},
+        "optimizer_history": [{"num_updates": updates}],
+        "extra_state": {"train_iterator": {"epoch": 2, "iterations_in_epoch": 6}, "val_loss": 1.5},
+    }
+
+
+def info(W, updates=7, save_id="s1"):
+    return shards.manifest(updates, save_id, W, {n: s[0] for n, s in EXPERTS.items()},
+                           {n: ORDER.index(n) for n in EXPERTS}, W)
+
+
+def save_as_ranks(folder, W, state=None, save_id="s1"):
+    """Write the files W ranks of a training run write (what checkpoint.py does at each save)."""
+    state = state or full_state()
+    base = str(folder / "checkpoint_last")
+    for r in range(W):
+        spread = {n: local_experts(E, W, r) for n in EXPERTS}
+        mine = shards.cut_for_rank(dict(state, extra_state=dict(state["extra_state"], moe_checkpoint=info(W))),
+                                   {n: (f, c, E) for n, (f, c) in spread.items()})
+        shared, shard = shards.split(mine, spread, r, info(W, save_id=save_id))
+        torch.save(shard, shards.rank_path(base, r))
+        if r == 0:
+            torch.save(shared, shards.shared_path(base))
+    return base
+
+
+def assert_same(state, ref):
+    torch.testing.assert_close(state["model"], ref["model"], rtol=0, atol=0)
+    torch.testing.assert_close(state["last_optimizer_state"]["state"], ref["last_optimizer_state"]["state"],
+                               rtol=0, atol=0)
+    assert state["last_optimizer_state"]["param_groups"] == ref["last_optimizer_state"]["param_groups"]
+
+
+@pytest.mark.parametrize("W", [1, 2, 4, 8])  # 8 > E: two replicas of each expert
+def test_set_assembles_to_full_state(tmp_path, W):
+    base = save_as_ranks(tmp_path, W)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["checkpoint_last-shared.pt"] + [f"checkpoint_last-rank-{r}.pt" for r in range(W)])
+    shard = torch.load(shards.rank_path(base, W - 1), weights_only=True)
+    assert shard["model"]["enc.moe.experts.w1"].shape[0] == max(E // W, 1)
+    assert "enc.moe.experts.w1" not in torch.load(shards.shared_path(base), weights_only=True)["model"]
+    assert_same(shards.assemble(base), full_state())
+
+
+@pytest.mark.parametrize("W, W_new", [(2, 4), (4, 1), (4, 8), (8, 2)])
+def test_each_new_rank_reads_its_experts(tmp_path, W, W_new):
+    base = save_as_ranks(tmp_path, W)
+    full = full_state()
+    for r in range(W_new):
+        first, count = local_experts(E, W_new, r)
+        state = shards.assemble(base, want={n: (first, first + count) for n in EXPERTS})
+        for n in EXPERTS:
+            i = ORDER.index(n)
+            assert torch.equal(state["model"][n], full["model"][n][first:first + count])
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state["last_optimizer_state"]["state"][i][k],
+                                   full["last_optimizer_state"]["state"][i][k][first:first + count])
+            assert state["last_optimizer_state"]["state"][i]["step"] == 7
+
+
+def test_find_set_names(tmp_path):
+    base = save_as_ranks(tmp_path, 2)
+    for name in ("checkpoint_last.pt", "checkpoint_last-shared.pt", "checkpoint_last-rank-1.pt",
+                 "checkpoint_last-rank-5.pt"):  # a rank of a larger new world size
+        assert shards.find_set(str(tmp_path / name)) == base
+    assert shards.find_set(str(tmp_path / "checkpoint_best.pt")) is None  # fairseq: a fresh start
+    torch.save({}, tmp_path / "plain.pt")
+    assert shards.find_set(str(tmp_path / "plain.pt")) is None
+
+
+def test_missing_stale_and_truncated_files_are_named(tmp_path):
+    base = save_as_ranks(tmp_path, 4)
+    os.remove(shards.rank_path(base, 2))
+    with pytest.raises(FileNotFoundError, match="checkpoint_last-rank-2.pt is missing"):
+        shards.assemble(base)
+
+    # A crash in the middle of a save: rank 2 wrote the new update, the others did not.
+    later = tmp_path / "later"
+    later.mkdir()
+    save_as_ranks(later, 4, full_state(updates=9), save_id="s2")
+    os.replace(shards.rank_path(str(later / "checkpoint_last"), 2), shards.rank_path(base, 2))
+    with pytest.raises(ValueError, match=r"rank-2.pt does not belong with .*shared.pt: its save_id"):
+        shards.assemble(base)
+
+    with open(shards.rank_path(base, 2), "wb") as f:
+        f.write(b"PK\x03\x04 truncated")
+    with pytest.raises(ValueError, match="rank-2.pt cannot be read"):
+        shards.assemble(base)
+
+    os.remove(shards.shared_path(base))
+    with pytest.raises(FileNotFoundError, match="checkpoint_last-shared.pt is missing.*found 4 rank files"):
+        shards.assemble(base)
+
+
+def test_iterator_position_moves_with_the_world_size():
+    state = dict(full_state(), extra_state={"train_iterator": {"epoch": 2, "iterations_in_epoch": 6},
+                                            "moe_checkpoint": info(2)})
+    pos = lambda W: shards.rescale_iterator(state, W, "x.pt")["extra_state"]["train_iterator"]  # noqa: E731
+    assert pos(1)["iterations_in_epoch"] == 12 and pos(4)["iterations_in_epoch"] == 3
+    assert pos(2)["iterations_in_epoch"] == 6
+    with pytest.raises(ValueError, match="x.pt: written by 2 ranks after 6 batches.*--reset-dataloader"):
+        pos(5)
+
+
+def test_reshard_and_consolidate_commands(tmp_path, capsys):
+    (tmp_path / "w2").mkdir()
+    base = save_as_ranks(tmp_path / "w2", 2)
+    four = str(tmp_path / "w4" / "ckpt.pt")
+    assert reshard_main([base + ".pt", four, "--world-size", "4"]) == 0
+    assert len(capsys.readouterr().out.split()) == 5  # 4 rank files and the shared file
+    one = str(tmp_path / "one.pt")
+    assert reshard_main([four, one], prog="consolidate", world_size=1) == 0
+    consolidated = torch.load(one, weights_only=True)
+    assert_same(consolidated, full_state())
+    assert consolidated["extra_state"]["moe_checkpoint"]["world_size"] == 1
+    # and back from the single file to a set
+    assert reshard_main([one, str(tmp_path / "w8" / "ckpt.pt"), "--world-size", "8"]) == 0
+    assert_same(shards.assemble(str(tmp_path / "w8" / "ckpt")), full_state())
+
+    assert reshard_main([base + ".pt", four, "--world-size", "4"]) == 1  # never overwrites
+    assert "ckpt-rank-0.pt exists" in capsys.readouterr().err
+    assert reshard_main([base + ".pt", str(tmp_path / "w3.pt"), "--world-size", "3"]) == 1
+    assert "--moe-expert-count 4 and --distributed-world-size 3" in capsys.readouterr().err
+    assert reshard_main([str(tmp_path / "nothing.pt"), str(tmp_path / "x.pt"), "--world-size", "2"]) == 1
+    assert "nothing.pt: no such checkpoint" in capsys.readouterr().err

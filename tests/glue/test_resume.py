@@ -1,0 +1,83 @@
+"""Kill a 4-rank expert-parallel run with SIGKILL mid-epoch; resumed, it continues exactly as a run that
+was never interrupted: the same losses at every later update and the same final parameters.
+
+fairseq reseeds every update (seed + update number), the iterator restarts mid-epoch where the
+checkpoint says, and each rank gets back its own experts and their Adam moments from its rank file.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fairseq_moe import expert_checkpoint as shards
+
+from .helpers import train_argv
+
+W = 4
+ARGS = ("--moe-expert-count", "4", "--max-tokens", "100", "--dropout", "0.1", "--activation-dropout", "0.1",
+        "--save-interval-updates", "2", "--required-batch-size-multiple", "1", "--moe-eval-capacity-token-fraction", "0")
+
+
+def launch(data_bin, save_dir, *extra, **popen):
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--",
+           "fairseq-train", *train_argv(data_bin, save_dir, *ARGS, *extra)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def losses(log):
+    """{update: the train_inner fields that do not measure time} from fairseq's simple log."""
+    out = {}
+    for line in log.splitlines():
+        if "| train_inner |" in line:
+            fields = dict(re.findall(r"(\w+)=([^,\s]+)", line.split("| train_inner |", 1)[1]))
+            out[int(fields["num_updates"])] = {k: v for k, v in fields.items() if k in KEEP}
+    return out
+
+
+KEEP = ("loss", "nll_loss", "moe_balance_loss", "moe_dropped", "gnorm", "lr", "wpb", "bsz")
+
+
+def complete(base):
+    return all(os.path.exists(p) for p in [shards.shared_path(base)] +
+               [shards.rank_path(base, r) for r in range(W)])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_continues_exactly(data_bin, tmp_path):
+    full = launch(data_bin, tmp_path / "full", "--max-update", "8")
+    log_full, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, log_full[-3000:]
+
+    killed_dir = tmp_path / "killed"
+    base = str(killed_dir / "checkpoint_1_4")
+    # No --max-update: only the kill stops it. Its own process group, so that SIGKILL reaches every rank.
+    killed = launch(data_bin, killed_dir, start_new_session=True)
+    deadline = time.time() + 600
+    while not complete(base) and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.communicate(timeout=60)
+    assert complete(base), "the run stopped before its checkpoint at update 4"
+    itr = torch.load(shards.shared_path(base), weights_only=True)["extra_state"]["train_iterator"]
+    assert itr["epoch"] == 1 and itr["iterations_in_epoch"] > 0  # mid-epoch
+
+    resumed = launch(data_bin, killed_dir, "--max-update", "8", "--restore-file", base + ".pt")
+    log_resumed, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, log_resumed[-3000:]
+
+    a, b = losses(log_full), losses(log_resumed)
+    assert sorted(b) == [5, 6, 7, 8] and all(u in a for u in b)
+    assert all(set(KEEP) <= set(b[u]) for u in b)
+    assert {u: b[u] for u in b} == {u: a[u] for u in b}
+    ref = shards.assemble(str(tmp_path / "full" / "checkpoint_last"))
+    got = shards.assemble(str(killed_dir / "checkpoint_last"))
+    assert [h["num_updates"] for h in got["optimizer_history"]][-2:] == [4, 8]
+    torch.testing.assert_close(got["model"], ref["model"], rtol=0, atol=0)
+    torch.testing.assert_close(got["last_optimizer_state"]["state"], ref["last_optimizer_state"]["state"],
+                               rtol=0, atol=0)
