@@ -1,5 +1,7 @@
 """Fused ops of the MoE layer. Each op has a PyTorch reference (reference.py: the CPU path and the
-ground truth) with the signature a Triton version must keep. Imports torch only, nothing of ours."""
-from .reference import grouped_mlp, moe_mlp, permute, unpermute
+ground truth) and a Triton version with the same signature (triton_*.py); backend.py picks one set.
+Imports torch only, nothing of ours; triton is imported only when the triton backend is asked for."""
+from . import backend
+from .reference import grouped_mlp, moe_mlp, permute, router, unpermute
 
-__all__ = ["grouped_mlp", "moe_mlp", "permute", "unpermute"]
+__all__ = ["backend", "grouped_mlp", "moe_mlp", "permute", "router", "unpermute"]

@@ -1,6 +1,7 @@
-"""PyTorch references of the MoE ops: permute, unpermute and the grouped MLP.
+"""PyTorch references of the MoE ops: router, permute, unpermute and the grouped MLP.
 
-Legend: T tokens, N = kept assignments (rows sorted by expert), d model dim, f ffn dim, E experts.
+Legend: T tokens, N = kept assignments (rows sorted by expert), d model dim, f ffn dim, E experts,
+k choices per token.
 These are also the CPU implementation, so they are written for speed where it is cheap to:
 the grouped MLP has a hand-written backward that writes each expert's weight gradient into one
 preallocated [E, ...] buffer. (Autograd through per-expert slices of stacked weights would
@@ -9,6 +10,41 @@ materialise a full [E, ...] gradient per slice, a cost that grows as E^2.)
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+
+def sort_assignments(experts, num_experts):
+    """(counts [E], order [k*T]) of the choices experts[T, k], taken in assignment order.
+
+    Assignment a = j*T + t is token t's j-th choice (every first choice before any second choice,
+    the priority order of routing.route). order is the stable argsort of the experts of the
+    assignments, so inside one expert the assignments keep their priority order; token = order % T.
+    """
+    flat = experts.t().reshape(-1)  # [k*T] in assignment order
+    return torch.bincount(flat, minlength=num_experts), torch.argsort(flat, stable=True)
+
+
+def router(logits, top_k, score="softmax", renormalize=False):
+    """Top-k routing of logits[T, E] -> (weights [T, k] fp32, experts [T, k] long, counts [E] long,
+    order [k*T] long).
+
+    Scores are fp32 whatever the logits' dtype: softmax over the experts, or an independent sigmoid
+    per expert. experts: torch.topk of the scores (its order of exactly tied scores is unspecified).
+    weights: the chosen scores, divided by their sum when renormalize (route() renormalises for
+    k >= 2 and keeps the raw probability for k = 1). weights carry the gradient w.r.t. logits.
+    """
+    assert logits.dim() == 2 and 1 <= top_k <= logits.shape[1], "logits: [T, E], 1 <= k <= E"
+    if score == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    elif score == "sigmoid":
+        probs = torch.sigmoid(logits.float())
+    else:
+        raise ValueError(f"unknown router score {score!r} (softmax or sigmoid)")
+    weights, experts = probs.topk(top_k, dim=-1)  # [T, k]
+    if renormalize:
+        # The same clamp as route(): sigmoid scores can all be ~0.
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+    counts, order = sort_assignments(experts, logits.shape[1])
+    return weights, experts, counts, order
 
 
 def permute(x, token_index):

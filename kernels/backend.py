@@ -1,0 +1,75 @@
+"""The kernel backend switch behind --moe-kernel-backend {auto,torch,triton}.
+
+    backend = resolve(cfg.kernel_backend, x.device)   # "torch" or "triton", or a ValueError
+    k = ops(backend)                                  # k.router, k.permute, k.unpermute, k.grouped_mlp, k.moe_mlp
+
+auto is triton on a CUDA device when triton imports, torch everywhere else. An explicit triton that
+cannot run is an error that says why, never a silent fallback: a user who asked for the fused kernels
+should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
+only by ops("triton"), so `import kernels` works without triton.
+"""
+import os
+import types
+from functools import lru_cache
+
+import torch
+
+from . import reference
+
+FLAG = "--moe-kernel-backend"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_unavailable(device):
+    """None if Triton kernels can run on tensors of `device`, else the reason they cannot."""
+    if device.type == "cpu":
+        # Triton compiles for GPUs only; its interpreter runs kernels on CPU tensors (slowly). It is
+        # chosen when the triton_* modules are imported, from this variable.
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return ("tensors on the CPU need Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
+                    "imported; slow, meant for tests), or use torch")
+    elif device.type != "cuda":
+        return f"Triton kernels run on CUDA devices, not on {device.type!r}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:  # a broken install raises other ImportErrors than "not found"
+        return f"triton cannot be imported ({err}); pip install triton, or use torch"
+    return None
+
+
+def resolve(name, device):
+    """The backend `name` means for tensors on `device`: "torch" or "triton"."""
+    if name not in BACKENDS:
+        raise ValueError(f"{FLAG} must be one of {list(BACKENDS)}, got {name!r}")
+    device = torch.device(device)
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        # Never the interpreter: auto must not turn a CPU run into a much slower one.
+        return "triton" if device.type == "cuda" and _triton_unavailable(device) is None else "torch"
+    reason = _triton_unavailable(device)
+    if reason is not None:
+        raise ValueError(f"{FLAG} triton cannot run on {device}: {reason}")
+    return "triton"
+
+
+@lru_cache(maxsize=None)
+def ops(name):
+    """Namespace of the ops of a resolved backend: router, permute, unpermute, grouped_mlp, moe_mlp."""
+    if name == "torch":
+        mods = (reference, reference, reference)
+    elif name == "triton":
+        from . import triton_grouped_mlp, triton_permute, triton_router
+
+        mods = (triton_router, triton_permute, triton_grouped_mlp)
+    else:
+        raise ValueError(f"ops() takes a resolved backend, 'torch' or 'triton' (see resolve()), got {name!r}")
+    router_mod, permute_mod, mlp_mod = mods
+    return types.SimpleNamespace(
+        name=name,
+        router=router_mod.router,
+        permute=permute_mod.permute,
+        unpermute=permute_mod.unpermute,
+        grouped_mlp=mlp_mod.grouped_mlp,
+        moe_mlp=mlp_mod.moe_mlp,
+    )

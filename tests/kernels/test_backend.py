@@ -1,0 +1,103 @@
+"""kernels/backend.py: resolve() picks torch or triton per --moe-kernel-backend and device, and an
+explicit triton that cannot run is a ValueError naming the flag and the reason (no interpreter on
+CPU, triton not importable, an unsupported device); auto never errors and never picks the
+interpreter. ops() returns each backend's five ops. `import kernels` works with triton blocked and
+imports no triton module."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import backend, reference
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """`import triton` raises ImportError (a None entry in sys.modules blocks the import)."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_torch_is_always_torch(device):
+    assert backend.resolve("torch", device) == "torch"
+
+
+def test_auto_is_torch_on_cpu_even_with_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.resolve("auto", "cpu") == "torch"
+
+
+def test_auto_on_cuda():
+    pytest.importorskip("triton")
+    assert backend.resolve("auto", "cuda") == "triton"
+
+
+def test_auto_on_cuda_without_triton_is_torch(no_triton):
+    assert backend.resolve("auto", "cuda:0") == "torch"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.resolve("triton", "cpu") == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"--moe-kernel-backend triton.*TRITON_INTERPRET=1"):
+        backend.resolve("triton", "cpu")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_triton_not_importable_is_an_error(no_triton, monkeypatch, device):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"--moe-kernel-backend triton.*triton cannot be imported"):
+        backend.resolve("triton", device)
+
+
+def test_triton_on_other_devices_is_an_error():
+    with pytest.raises(ValueError, match=r"--moe-kernel-backend triton.*CUDA devices, not on 'meta'"):
+        backend.resolve("triton", "meta")
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match=r"--moe-kernel-backend must be one of"):
+        backend.resolve("cutlass", "cpu")
+    with pytest.raises(ValueError, match="resolved backend"):
+        backend.ops("auto")
+
+
+def test_torch_ops_are_the_references():
+    ops = backend.ops("torch")
+    for name in ("router", "permute", "unpermute", "grouped_mlp", "moe_mlp"):
+        assert getattr(ops, name) is getattr(reference, name)
+
+
+def test_triton_ops():
+    pytest.importorskip("triton")
+    mlp = pytest.importorskip("kernels.triton_grouped_mlp")  # written separately
+    from kernels import triton_permute, triton_router
+
+    ops = backend.ops("triton")
+    assert (ops.router, ops.permute, ops.unpermute) == (
+        triton_router.router, triton_permute.permute, triton_permute.unpermute)
+    assert (ops.grouped_mlp, ops.moe_mlp) == (mlp.grouped_mlp, mlp.moe_mlp)
+
+
+def test_import_kernels_without_triton():
+    """A fresh interpreter where triton cannot be imported: kernels imports, the torch backend
+    works, asking for triton says why, and importing kernels pulled in no triton module."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import kernels\n"
+        "assert kernels.backend.resolve('auto', 'cuda') == 'torch'\n"
+        "assert kernels.backend.ops('torch').router is kernels.router\n"
+        "assert not [m for m in sys.modules if m.startswith('kernels.triton')]\n"
+        "try:\n"
+        "    kernels.backend.resolve('triton', 'cuda')\n"
+        "except ValueError as e:\n"
+        "    assert 'triton cannot be imported' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120,
+                   env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
