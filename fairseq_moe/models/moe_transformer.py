@@ -8,6 +8,7 @@ import logging
 import os
 from argparse import Namespace
 
+import torch
 import torch.distributed as dist
 
 from fairseq.models import register_model, register_model_architecture
@@ -15,6 +16,8 @@ from fairseq.models.transformer import TransformerDecoderBase, TransformerEncode
 from fairseq.models.transformer import transformer_legacy as dense
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
+
+from kernels import backend as kernel_backend
 
 from ..checkpoint import check_supported
 from ..moe import GATES, MoEConfig
@@ -53,6 +56,9 @@ def add_moe_args(parser):
     add("--moe-a2a-overlap-degree", type=int, metavar="D",
         help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
+    add("--moe-kernel-backend", choices=["auto", "torch", "triton"],
+        help="kernels of the MoE layers: torch (PyTorch ops), triton (fused Triton kernels), "
+             "auto = triton on CUDA, torch elsewhere (default auto)")
 
 
 def moe_config(args, side):
@@ -73,6 +79,7 @@ def moe_config(args, side):
         gate_fp32=args.moe_gating_use_fp32,
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
+        kernel_backend=args.moe_kernel_backend,
     ).validate()
 
 
@@ -160,6 +167,16 @@ class MoETransformerModel(TransformerModel):
                 "fewer tokens than its fair share at validation and generation, so tokens will be "
                 "dropped even with a perfectly balanced router (use -1 for the training capacity)",
                 frac, k, args.moe_expert_count)
+        # Where the model will run: a triton backend that cannot run there fails now, named.
+        kernels = kernel_backend.resolve(args.moe_kernel_backend, "cpu" if args.cpu or
+                                         not torch.cuda.is_available() else "cuda")
+        if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
+            # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
+            if args.moe_kernel_backend == "triton":
+                raise ValueError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
+                                 "it cannot be combined with --moe-kernel-backend triton")
+            logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
+                        args.moe_a2a_overlap_degree)
         args.moe_ep = build_expert_parallel(args)
         check_supported(args, spread=args.moe_ep is not None)
         model = super().build_model(args, task)
@@ -206,6 +223,7 @@ def moe_base_architecture(args):
     args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
     args.moe_a2a_local_size = getattr(args, "moe_a2a_local_size", None)
     args.moe_a2a_overlap_degree = getattr(args, "moe_a2a_overlap_degree", 1)
+    args.moe_kernel_backend = getattr(args, "moe_kernel_backend", "auto")
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import grouped_mlp, moe_mlp
+from kernels import reference
 
 
 class Experts(nn.Module):
@@ -59,13 +59,15 @@ class Experts(nn.Module):
         """Activation dropout in force now (0 at eval)."""
         return self.activation_dropout if self.training else 0.0
 
-    def forward(self, rows, counts):  # rows: [N, d] sorted by expert, counts: [E] -> [N, d]
-        return grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation, self.dropout_p())
+    def forward(self, rows, counts, ops=reference):
+        """rows: [N, d] sorted by expert, counts: [E] -> [N, d]. ops: the kernels (kernels.backend.ops)."""
+        return ops.grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation,
+                               self.dropout_p())
 
-    def combine(self, x, token_index, weights, counts):
+    def combine(self, x, token_index, weights, counts, ops=reference):
         """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d], fused."""
-        return moe_mlp(x, token_index, weights, counts, self.w1, self.b1, self.w2, self.b2,
-                       self.activation, self.dropout_p())
+        return ops.moe_mlp(x, token_index, weights, counts, self.w1, self.b1, self.w2, self.b2,
+                           self.activation, self.dropout_p())
 
 
 def _take_local_slice(module, state_dict, prefix, *args):

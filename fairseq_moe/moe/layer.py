@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kernels import permute, unpermute
+from kernels import backend
 
 from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
 from .config import MoEConfig
@@ -81,21 +81,23 @@ class MoELayer(nn.Module):
             keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
             x = x.index_select(0, keep)
         T = x.shape[0]
+        ops = backend.ops(backend.resolve(self.cfg.kernel_backend, x.device))
 
         logits = self.gate(x)  # [T, E] fp32
-        r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training))
+        router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
+        r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training), router)
         if self.ep is None:
-            y = self.experts.combine(x, r.token_index, r.weights, r.counts)  # [T, d]
+            y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
         else:
-            rows = permute(x, r.token_index)  # [N, d] sorted by expert
-            y = unpermute(self._remote(rows, r.counts), r.token_index, r.weights, T)  # [T, d]
+            rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
+            y = ops.unpermute(self._remote(rows, r.counts, ops), r.token_index, r.weights, T)  # [T, d]
 
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, r, T)
         return y.view(shape), aux
 
-    def _remote(self, rows, counts):
+    def _remote(self, rows, counts, ops):
         """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
         P, El = self.ep.size, self.ep.num_local_experts
         send = counts.view(P, El)  # rows for (destination rank, its local expert)
@@ -104,7 +106,7 @@ class MoELayer(nn.Module):
         recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
         x = all_to_all(rows, send.sum(1), recv.sum(1), self.ep)  # (source, local expert) order
         order = block_transpose_index(recv)  # -> (local expert, source) order
-        y = self.experts(x.index_select(0, order), recv.sum(0))
+        y = self.experts(x.index_select(0, order), recv.sum(0), ops)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
         return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from kernels.reference import sort_assignments
+
 
 @dataclass
 class Routing:
@@ -26,8 +28,10 @@ class Routing:
     capacity: Optional[int]  # None when dropless
 
 
-def route(logits, top_k, capacity=None):
+def route(logits, top_k, capacity=None, router=None):
     """Top-k routing of logits[T, E] with GShard priority dropping.
+
+    router: None (torch ops here) or a fused op with the contract of kernels.reference.router.
 
     Priority: every token's first choice comes before any token's second choice, and so on;
     inside one choice rank, earlier tokens first. Weights: for k = 1 the raw router probability
@@ -35,13 +39,15 @@ def route(logits, top_k, capacity=None):
     over the choices that were kept (fairseq's moe branch).
     """
     T, E = logits.shape
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-    top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
-
-    # Assignment a = j * T + t is token t's j-th choice: this flat order is the priority order.
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E], also what the balance loss reads
+    if router is None:
+        top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
+        demand, order = sort_assignments(top_experts, E)
+    else:  # a fused kernel with kernels.reference.router's contract (raw probabilities)
+        top_probs, top_experts, demand, order = router(logits, top_k)
+    # Assignment a = j * T + t is token t's j-th choice: this flat order is the priority order, and
+    # order (sorted by expert, stable) keeps it inside each expert.
     flat_expert = top_experts.t().reshape(-1)  # [k*T]
-    order = torch.argsort(flat_expert, stable=True)  # [k*T] sorted by expert, priority kept
-    demand = torch.bincount(flat_expert, minlength=E)  # [E]
     if capacity is None:
         kept_order = order
         counts = demand

@@ -81,3 +81,29 @@ def test_eval_bleu_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
     monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
     with pytest.raises(ValueError, match="--eval-bleu"):
         task.build_model(args)
+
+
+def test_kernel_backend_flag(data_bin, tmp_path, monkeypatch):
+    cfg = blocks(data_bin, tmp_path)["encoder.layers.1.fc1"].moe.cfg
+    assert cfg.kernel_backend == "auto"
+    cfg = blocks(data_bin, tmp_path, "--moe-kernel-backend", "torch")["encoder.layers.1.fc1"].moe.cfg
+    assert cfg.kernel_backend == "torch"
+    with pytest.raises(ValueError, match="--moe-a2a-overlap-degree > 1 .* --moe-kernel-backend triton"):
+        build(train_argv(data_bin, tmp_path, "--moe-kernel-backend", "triton", "--moe-a2a-overlap-degree", "2"))
+    # Asked for where it cannot run (a CPU run without Triton's interpreter): an error before training.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--moe-kernel-backend triton cannot run on cpu"):
+        build(train_argv(data_bin, tmp_path, "--moe-kernel-backend", "triton"))
+
+
+def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
+    from argparse import Namespace
+
+    from fairseq_moe.checkpoint import check_supported
+
+    check_supported(Namespace(bf16=True, fp16_no_flatten_grads=True), spread=True)
+    check_supported(Namespace(fp16=True), spread=False)
+    for args, flag in ((Namespace(fp16=True), "--fp16-no-flatten-grads"), (Namespace(store_ema=True), "--store-ema"),
+                       (Namespace(ddp_backend="fully_sharded"), "fully_sharded")):
+        with pytest.raises(ValueError, match=flag):
+            check_supported(args, spread=True)

@@ -1,0 +1,47 @@
+"""The whole MoELayer with the Triton kernels (in the interpreter on CPU, fp32) equals the layer with
+the torch kernels: output, auxiliary losses, and the gradients of the input, the gate and the experts.
+Each kernel is checked against its reference in tests/kernels; this checks how the layer uses them."""
+import pytest
+import torch
+
+from fairseq_moe.moe import MoEConfig, MoELayer
+
+pytest.importorskip("triton")
+
+
+def run(backend, cfg, x, mask, seed=0):
+    torch.manual_seed(seed)
+    layer = MoELayer(MoEConfig(**cfg, kernel_backend=backend))
+    x = x.clone().requires_grad_()
+    y, aux = layer(x, mask)
+    loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + 0.1 * aux.balance_loss + 0.01 * aux.z_loss
+    loss.backward()
+    grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    return y.detach(), aux, grads
+
+
+@pytest.mark.parametrize("top_k, capacity_factor", [(1, 0.0), (2, 1.0), (4, 0.0)])
+def test_triton_layer_equals_torch_layer(top_k, capacity_factor):
+    cfg = dict(model_dim=20, ffn_dim=36, num_experts=5, top_k=top_k, capacity_factor=capacity_factor,
+               activation="gelu")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 20, generator=g)
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[1, 5:] = True  # padding, kept out of routing
+    y_t, aux_t, g_t = run("torch", cfg, x, mask)
+    y_k, aux_k, g_k = run("triton", cfg, x, mask)
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-6)
+    assert torch.equal(aux_k.counts, aux_t.counts) and torch.equal(aux_k.demand, aux_t.demand)
+    if capacity_factor:
+        assert aux_t.dropped_fraction > 0  # the capacity path is exercised
+    torch.testing.assert_close(aux_k.balance_loss, aux_t.balance_loss)
+    assert set(g_k) == set(g_t)
+    for name in g_t:
+        torch.testing.assert_close(g_k[name], g_t[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_triton_without_interpreter_on_cpu_is_an_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layer = MoELayer(MoEConfig(model_dim=4, ffn_dim=6, num_experts=2, kernel_backend="triton"))
+    with pytest.raises(ValueError, match="--moe-kernel-backend triton cannot run on cpu"):
+        layer(torch.randn(3, 4))
