@@ -34,11 +34,11 @@ def _moe_layers(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
-def spread_experts(model):
-    """{state-dict name: (first expert, local experts, E)} of the experts spread over ranks."""
+def expert_params(model, spread_only=False):
+    """{state-dict name: (first expert, local experts, E)} of the expert tensors (only the spread ones)."""
     out = {}
     for name, layer in _moe_layers(model):
-        if layer.ep is not None:
+        if layer.ep is not None or not spread_only:
             ex = layer.experts
             for p in ("w1", "b1", "w2", "b2"):
                 out[f"{name}.experts.{p}"] = (ex.first_expert, ex.num_experts, ex.total_experts)
@@ -116,7 +116,7 @@ def install_expert_parallel_checkpointing():
 
     def spread_of(self):
         if not hasattr(self, "_moe_spread"):
-            self._moe_spread = spread_experts(self.get_model())
+            self._moe_spread = expert_params(self.get_model(), spread_only=True)
         return self._moe_spread
 
     def checkpoint_suffix(self):
@@ -127,10 +127,15 @@ def install_expert_parallel_checkpointing():
         return True if spread_of(self) else should_save(self)
 
     def state_dict(self):
+        """fairseq's state, plus what a later run at another world size needs: where each expert's
+        optimizer state sits, and the world size the data iterator's position counts batches for."""
         state = trainer_state(self)
-        if _moe_layers(self.get_model()):  # where the data iterator stands depends on the world size
-            info = {"data_parallel_size": self.data_parallel_world_size}
-            state["extra_state"]["moe_checkpoint"] = info
+        experts = expert_params(self.get_model())
+        if experts:
+            state["extra_state"]["moe_checkpoint"] = {
+                "experts": {n: E for n, (_, _, E) in experts.items()},
+                "optimizer_index": _optimizer_index(self, experts),
+                "data_parallel_size": self.data_parallel_world_size}
         return state
 
     def save_sharded(self, filename, extra_state):
@@ -170,9 +175,10 @@ def install_expert_parallel_checkpointing():
         return out
 
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-        base = shards.find_set(path)
-        if base is None:
-            return load_to_cpu(path, arg_overrides, load_on_all_ranks)
+        found = shards.locate(path)
+        if not found or found[0] == "file":
+            return load_to_cpu(found[1] if found else path, arg_overrides, load_on_all_ranks)
+        base = found[1]
         # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file,
         # then put the experts in (only this rank's, when a trainer asked for them: _want).
         state = load_to_cpu(shards.shared_path(base), arg_overrides, load_on_all_ranks)
@@ -180,9 +186,10 @@ def install_expert_parallel_checkpointing():
         return dict(full, **{k: v for k, v in state.items() if k not in ("model", "last_optimizer_state")})
 
     def load_sharded(self, filename, *args, **kwargs):
-        base = shards.find_set(filename)
-        if base is not None:
-            filename = shards.shared_path(base)  # fairseq checks that the file it is given exists
+        found = shards.locate(filename)
+        base = found[1] if found and found[0] == "set" else None
+        if found:  # fairseq checks that the file it is given exists
+            filename = shards.shared_path(base) if base else found[1]
         spread = spread_of(self)
         if not spread and base is None:
             return with_rescaled_iterator(self, filename, args, kwargs)

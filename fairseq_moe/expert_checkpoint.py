@@ -46,16 +46,38 @@ def rank_path(base, rank):
     return f"{base}-rank-{rank}.pt"
 
 
-def find_set(path):
-    """NAME if path names a sharded checkpoint (its shared file or any rank file exists), else None."""
-    if not path.endswith(".pt"):
-        return None
-    base = set_base(path)
-    if path == f"{base}.pt" and os.path.exists(path):
-        return None  # a plain checkpoint of that name: fairseq's own format
-    if os.path.exists(shared_path(base)) or glob.glob(glob.escape(base) + "-rank-*.pt"):
-        return base
-    return None
+def locate(path):
+    """What a checkpoint path asks for: ("set", NAME), ("file", path of a single file), or None.
+
+    NAME.pt, NAME-shared.pt and NAME-rank-R.pt all name the set NAME when its files exist (fairseq
+    asks every rank whose experts are spread for NAME-rank-R.pt, whatever the world size that saved).
+    They name the single file NAME.pt when that exists instead (a consolidated checkpoint, or one of
+    a single process). When both exist, as after training in one folder at one and then at several
+    ranks, the one saved at the later update wins, so no run resumes from older weights.
+    """
+    m = _SHARD.match(path)
+    if m is None:
+        return ("file", path) if os.path.exists(path) else None
+    base, plain = m.group("base"), f"{m.group('base')}.pt"
+    has_set = os.path.exists(shared_path(base)) or bool(glob.glob(glob.escape(base) + "-rank-*.pt"))
+    has_file = os.path.exists(plain)
+    if has_set and has_file:
+        return ("set", base) if _updates_of_set(base) >= _updates_of_file(plain) else ("file", plain)
+    if has_set:
+        return ("set", base)
+    return ("file", plain) if has_file else None
+
+
+def _updates_of_set(base):
+    if not os.path.exists(shared_path(base)):
+        return float("inf")  # rank files without their shared file: let loading name what is missing
+    extra = torch.load(shared_path(base), map_location="cpu", weights_only=True, mmap=True)["extra_state"]
+    return extra["moe_checkpoint"]["num_updates"]
+
+
+def _updates_of_file(path):
+    history = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("optimizer_history")
+    return history[-1].get("num_updates", 0) if history else 0
 
 
 def new_save_id():

@@ -21,12 +21,12 @@ from .moe.comm import expert_parallel_size
 
 def read_any(path):
     """The full state (every expert) of a set or of a single consolidated file."""
-    base = shards.find_set(path)
-    if base is not None:
-        return shards.assemble(base)
-    if not os.path.exists(path):
+    found = shards.locate(path)
+    if found is None:
         raise FileNotFoundError(f"{path}: no such checkpoint (nor {shards.set_base(path)}-shared.pt)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    if found[0] == "set":
+        return shards.assemble(found[1])
+    return torch.load(found[1], map_location="cpu", weights_only=True)
 
 
 def _outputs(out, world_size):
@@ -53,8 +53,7 @@ def reshard(src, out, world_size):
     state = read_any(src)
     experts = (state.get("extra_state", {}).get("moe_checkpoint") or {}).get("experts")
     if not experts:
-        raise ValueError(f"{src} holds no expert-parallel manifest (not written by expert-parallel "
-                         f"fairseq-moe training): it already loads at any world size as it is")
+        raise ValueError(f"{src} holds no expert manifest: not a checkpoint of fairseq-moe training")
     for E in set(experts.values()):
         expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -86,14 +86,14 @@ def test_each_new_rank_reads_its_experts(tmp_path, W, W_new):
             assert state["last_optimizer_state"]["state"][i]["step"] == 7
 
 
-def test_find_set_names(tmp_path):
+def test_names_of_a_set(tmp_path):
     base = save_as_ranks(tmp_path, 2)
     for name in ("checkpoint_last.pt", "checkpoint_last-shared.pt", "checkpoint_last-rank-1.pt",
                  "checkpoint_last-rank-5.pt"):  # a rank of a larger new world size
-        assert shards.find_set(str(tmp_path / name)) == base
-    assert shards.find_set(str(tmp_path / "checkpoint_best.pt")) is None  # fairseq: a fresh start
+        assert shards.locate(str(tmp_path / name)) == ("set", base)
+    assert shards.locate(str(tmp_path / "checkpoint_best.pt")) is None  # fairseq: a fresh start
     torch.save({}, tmp_path / "plain.pt")
-    assert shards.find_set(str(tmp_path / "plain.pt")) is None
+    assert shards.locate(str(tmp_path / "plain.pt")) == ("file", str(tmp_path / "plain.pt"))
 
 
 def test_missing_stale_and_truncated_files_are_named(tmp_path):
@@ -151,3 +151,19 @@ def test_reshard_and_consolidate_commands(tmp_path, capsys):
     assert "--moe-expert-count 4 and --distributed-world-size 3" in capsys.readouterr().err
     assert reshard_main([str(tmp_path / "nothing.pt"), str(tmp_path / "x.pt"), "--world-size", "2"]) == 1
     assert "nothing.pt: no such checkpoint" in capsys.readouterr().err
+
+
+def test_single_file_found_behind_the_rank_suffix(tmp_path):
+    """fairseq asks each rank for NAME-rank-R.pt; a single-file checkpoint NAME.pt is what it means."""
+    torch.save(full_state(updates=5), tmp_path / "ckpt.pt")
+    assert shards.locate(str(tmp_path / "ckpt-rank-1.pt")) == ("file", str(tmp_path / "ckpt.pt"))
+    assert shards.locate(str(tmp_path / "other-rank-1.pt")) is None
+
+
+@pytest.mark.parametrize("file_updates, wins", [(5, "set"), (7, "set"), (9, "file")])
+def test_set_and_single_file_of_one_name_the_later_wins(tmp_path, file_updates, wins):
+    """Training in one folder on 1 process, then on 2, then on 1 again: never resume the older one."""
+    base = save_as_ranks(tmp_path, 2)  # update 7
+    torch.save(full_state(updates=file_updates), base + ".pt")
+    for name in (base + ".pt", shards.rank_path(base, 1), shards.shared_path(base)):
+        assert shards.locate(name)[0] == wins

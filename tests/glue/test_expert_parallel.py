@@ -72,6 +72,18 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
     assert_same_params(c["model"], a["model"])
     torch.testing.assert_close(c["last_optimizer_state"], a["last_optimizer_state"], rtol=1e-5, atol=1e-6)
 
+    # And back: the 1-process checkpoint (update 6) resumes on W ranks, each cutting out its experts
+    # and their momentum, and continues exactly like the 1-process run.
+    run_train(train_argv(data_bin, one, *COMMON, "--update-freq", str(world_size), "--max-update", "8"))
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(world_size), "--", "fairseq-train",
+           *train_argv(data_bin, resumed, *COMMON, "--max-update", "8", "--restore-file",
+                       str(resumed / "checkpoint_last.pt"), "--save-dir", str(tmp_path / "again"))]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = shards.assemble(str(tmp_path / "again" / "checkpoint_last"))
+    assert [h["num_updates"] for h in d["optimizer_history"]][-2:] == [6, 8]
+    assert_same_params(d["model"], torch.load(one / "checkpoint_last.pt", weights_only=True)["model"])
+
 
 def assert_same_params(b, a):
     assert set(a) == set(b)
