@@ -50,9 +50,14 @@ def complete(base):
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_continues_exactly(data_bin, tmp_path):
-    full = launch(data_bin, tmp_path / "full", "--max-update", "8")
+    full = launch(data_bin, tmp_path / "full", "--max-update", "8", "--keep-interval-updates", "2")
     log_full, _ = full.communicate(timeout=600)
     assert full.returncode == 0, log_full[-3000:]
+    # fairseq deletes the older interval checkpoints on every rank; their shared files go with them.
+    names = os.listdir(tmp_path / "full")
+    interval = sorted(n[:-len("-shared.pt")] for n in names if n.endswith("-shared.pt") and n.count("_") == 2)
+    assert len(interval) == 2 and all(complete(str(tmp_path / "full" / n)) for n in interval), names
+    assert len([n for n in names if "-rank-" in n]) == W * (len(interval) + 2)  # + last and best
 
     killed_dir = tmp_path / "killed"
     base = str(killed_dir / "checkpoint_1_4")
