@@ -10,9 +10,11 @@
    resumes at any world size, and fairseq-generate reads it with --path NAME-shared.pt.
 """
 import argparse
+import contextlib
 import glob
 import logging
 import os
+import time
 from contextlib import contextmanager
 from itertools import chain
 
@@ -65,6 +67,13 @@ def check_supported(args, spread):
                          "hold only this rank's experts")
     if getattr(args, "ddp_backend", None) == "fully_sharded":
         raise ValueError("--ddp-backend fully_sharded is not supported with experts spread over ranks")
+    if getattr(args, "zero_sharding", "none") != "none":
+        raise ValueError("--zero-sharding is not supported with experts spread over ranks: the optimizer "
+                         "state would be gathered on rank 0, which holds only its own experts")
+    if getattr(args, "optimizer", None) in ("adafactor", "composite"):
+        raise ValueError(f"--optimizer {args.optimizer} is not supported with experts spread over ranks: "
+                         f"its state cannot be saved per expert (adafactor's statistics of the expert "
+                         f"biases mix the experts); use adam, sgd, ...")
 
 
 @contextmanager
@@ -81,8 +90,8 @@ class _CopySharedToo:
     """fairseq's PathManager during a save: copying NAME-rank-R.pt to another name copies the set's
     shared file along (rank 0), so checkpoint_last, checkpoint_best, ... are whole sets."""
 
-    def __init__(self, path_manager, master):
-        self._pm, self._master = path_manager, master
+    def __init__(self, path_manager, master, written):
+        self._pm, self._master, self.written = path_manager, master, written
 
     def __getattr__(self, name):
         return getattr(self._pm, name)
@@ -92,14 +101,26 @@ class _CopySharedToo:
         if self._master and ok:
             ok = self._pm.copy(shards.shared_path(shards.set_base(src)),
                                shards.shared_path(shards.set_base(dst)), overwrite=overwrite)
+            self.written.append(shards.set_base(dst))
         return ok
 
 
-def _remove_orphans(save_dir):
-    """Shared files whose rank-0 file fairseq deleted (--keep-*-updates/epochs/best) go too."""
-    for shared in glob.glob(os.path.join(glob.escape(save_dir), "*-shared.pt")):
-        if not os.path.exists(shards.rank_path(shards.set_base(shared), 0)):
+def _rank0_files(save_dir):
+    return set(glob.glob(os.path.join(glob.escape(save_dir), "*-rank-0.pt")))
+
+
+def _clean_up(before, save_dir, world_size, written):
+    """After a save (rank 0): the shared file of every set whose rank-0 file fairseq deleted in this
+    save (--keep-interval-updates, --keep-last-epochs, --keep-best-checkpoints) goes too, and rank
+    files beyond this world size of a set just overwritten (left by an earlier, larger run) go."""
+    for gone in before - _rank0_files(save_dir):
+        shared = shards.shared_path(shards.set_base(gone))
+        if os.path.exists(shared):
             os.remove(shared)
+    for base in written:
+        for stale in glob.glob(glob.escape(base) + "-rank-*.pt"):
+            if int(shards._SHARD.match(stale).group("rank")) >= world_size:
+                os.remove(stale)
 
 
 def install_expert_parallel_checkpointing():
@@ -111,6 +132,7 @@ def install_expert_parallel_checkpointing():
     if getattr(Trainer, "moe_shards", False):
         return
     save_checkpoint, load_to_cpu = checkpoint_utils.save_checkpoint, checkpoint_utils.load_checkpoint_to_cpu
+    load_checkpoint = checkpoint_utils.load_checkpoint
     suffix, should_save = Trainer.checkpoint_suffix.fget, Trainer.should_save_checkpoint_on_current_rank.fget
     trainer_save, trainer_load, trainer_state = Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer.state_dict
 
@@ -135,7 +157,7 @@ def install_expert_parallel_checkpointing():
             state["extra_state"]["moe_checkpoint"] = {
                 "experts": {n: E for n, (_, _, E) in experts.items()},
                 "optimizer_index": _optimizer_index(self, experts),
-                "data_parallel_size": self.data_parallel_world_size}
+                "data_parallel_size": self.data_parallel_world_size, "saved_at": time.time()}
         return state
 
     def save_sharded(self, filename, extra_state):
@@ -156,6 +178,7 @@ def install_expert_parallel_checkpointing():
         if self.is_data_parallel_master:
             path = shards.shared_path(shards.set_base(filename))
             checkpoint_utils.torch_persistent_save(shared, path, async_write=async_write)
+            self._moe_written.append(shards.set_base(filename))
             logger.info(f"Saved expert-parallel checkpoint {path} and {self.data_parallel_world_size} "
                         f"rank files")
         return os.path.abspath(filename)
@@ -168,10 +191,12 @@ def install_expert_parallel_checkpointing():
         trainer._moe_save_id = dist_utils.broadcast_object(
             shards.new_save_id(), src_rank=0, group=trainer.data_parallel_process_group)
         master = trainer.is_data_parallel_master
-        with _swapped(checkpoint_utils, "PathManager", _CopySharedToo(checkpoint_utils.PathManager, master)):
+        before, trainer._moe_written = _rank0_files(cfg.save_dir), []
+        copier = _CopySharedToo(checkpoint_utils.PathManager, master, trainer._moe_written)
+        with _swapped(checkpoint_utils, "PathManager", copier):
             out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
         if master:
-            _remove_orphans(cfg.save_dir)
+            _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, trainer._moe_written)
         return out
 
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
@@ -182,11 +207,18 @@ def install_expert_parallel_checkpointing():
         # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file,
         # then put the experts in (only this rank's, when a trainer asked for them: _want).
         state = load_to_cpu(shards.shared_path(base), arg_overrides, load_on_all_ranks)
-        full = shards.assemble(base, want=_want.get("ranges"))
-        return dict(full, **{k: v for k, v in state.items() if k not in ("model", "last_optimizer_state")})
+        return shards.assemble(base, want=_want.get("ranges"), shared=state)
 
     def load_sharded(self, filename, *args, **kwargs):
         found = shards.locate(filename)
+        explicit = self.cfg.checkpoint.restore_file
+        if found is None and explicit != "checkpoint_last.pt":
+            # fairseq puts the rank suffix into the path with str.replace(".pt", ...), which also
+            # hits a ".pt" inside a folder name: resolve the file the user named. One that does
+            # not exist is an error, not a silent fresh start.
+            found = shards.locate(explicit)
+            if found is None:
+                raise FileNotFoundError(f"--restore-file {explicit}: no such checkpoint")
         base = found[1] if found and found[0] == "set" else None
         if found:  # fairseq checks that the file it is given exists
             filename = shards.shared_path(base) if base else found[1]
@@ -205,7 +237,7 @@ def install_expert_parallel_checkpointing():
                 _want.pop("ranges", None)
 
     def with_rescaled_iterator(self, filename, args, kwargs, spread=None):
-        reset_dataloader = self.cfg.checkpoint.reset_dataloader
+        reset_dataloader = _want.get("reset_dataloader", self.cfg.checkpoint.reset_dataloader)
 
         def read(path, arg_overrides=None, load_on_all_ranks=False):
             state = checkpoint_utils_load(path, arg_overrides, load_on_all_ranks)
@@ -219,6 +251,28 @@ def install_expert_parallel_checkpointing():
         with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read):
             return trainer_load(self, filename, *args, **kwargs)
 
+    def load_checkpoint_resolved(cfg, trainer, **passthrough_args):
+        """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
+        only as a set (or a single file) at this world size for a first launch, and would then start
+        --finetune-from-model / --continue-once over it instead of resuming."""
+        overrides, finetuning = {}, False
+        if cfg.restore_file == "checkpoint_last.pt":
+            last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+            resumable = shards.locate(last) is not None
+            if resumable and not os.path.exists(last):
+                overrides = {"finetune_from_model": None, "continue_once": None}
+            finetuning = not resumable and cfg.finetune_from_model is not None
+        # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
+        _want["reset_dataloader"] = cfg.reset_dataloader or finetuning
+        try:
+            with contextlib.ExitStack() as stack:
+                for key, value in overrides.items():
+                    if key in cfg:
+                        stack.enter_context(_swapped(cfg, key, value))
+                return load_checkpoint(cfg, trainer, **passthrough_args)
+        finally:
+            _want.pop("reset_dataloader", None)
+
     _want = {}
     Trainer.checkpoint_suffix = property(checkpoint_suffix)
     Trainer.should_save_checkpoint_on_current_rank = property(should_save_on_this_rank)
@@ -228,3 +282,4 @@ def install_expert_parallel_checkpointing():
     Trainer.moe_shards = True
     checkpoint_utils.save_checkpoint = save_checkpoint_sets
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    checkpoint_utils.load_checkpoint = load_checkpoint_resolved

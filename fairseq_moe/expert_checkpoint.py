@@ -20,6 +20,7 @@ reshard/consolidate commands.
 import glob
 import os
 import re
+import time
 import uuid
 
 import torch
@@ -53,31 +54,47 @@ def locate(path):
     asks every rank whose experts are spread for NAME-rank-R.pt, whatever the world size that saved).
     They name the single file NAME.pt when that exists instead (a consolidated checkpoint, or one of
     a single process). When both exist, as after training in one folder at one and then at several
-    ranks, the one saved at the later update wins, so no run resumes from older weights.
+    ranks, the one saved later wins, so no run resumes from older weights.
     """
     m = _SHARD.match(path)
     if m is None:
         return ("file", path) if os.path.exists(path) else None
+    if m.group(2) and os.path.exists(path) and not _is_set_file(path):
+        return ("file", path)  # a single file that merely has a set-like name
     base, plain = m.group("base"), f"{m.group('base')}.pt"
     has_set = os.path.exists(shared_path(base)) or bool(glob.glob(glob.escape(base) + "-rank-*.pt"))
     has_file = os.path.exists(plain)
     if has_set and has_file:
-        return ("set", base) if _updates_of_set(base) >= _updates_of_file(plain) else ("file", plain)
+        return ("set", base) if _saved_at(shared_path(base)) >= _saved_at(plain) else ("file", plain)
     if has_set:
         return ("set", base)
     return ("file", plain) if has_file else None
 
 
-def _updates_of_set(base):
-    if not os.path.exists(shared_path(base)):
+def _peek(path):
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _is_set_file(path):
+    try:
+        state = _peek(path)
+    except Exception:
+        return True  # unreadable: let loading the set name it
+    if "moe_shard" in state:
+        return True
+    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    # A shared file has a save id and no experts; a consolidated file (reshard to 1) has its experts.
+    return "save_id" in info and not any(name in state.get("model", {}) for name in info.get("experts", ()))
+
+
+def _saved_at(path):
+    """When the checkpoint was saved: its manifest's time, else the file's modification time.
+
+    Not the update number: that restarts with --reset-optimizer or a fine-tuning run."""
+    if not os.path.exists(path):
         return float("inf")  # rank files without their shared file: let loading name what is missing
-    extra = torch.load(shared_path(base), map_location="cpu", weights_only=True, mmap=True)["extra_state"]
-    return extra["moe_checkpoint"]["num_updates"]
-
-
-def _updates_of_file(path):
-    history = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("optimizer_history")
-    return history[-1].get("num_updates", 0) if history else 0
+    info = _peek(path).get("extra_state", {}).get("moe_checkpoint") or {}
+    return info.get("saved_at", os.path.getmtime(path))
 
 
 def new_save_id():
@@ -88,7 +105,7 @@ def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_pa
     """experts: {parameter name: E}; optimizer_index: {parameter name: index in the optimizer state}."""
     return {"format": FORMAT, "num_updates": num_updates, "save_id": save_id, "world_size": world_size,
             "experts": dict(experts), "optimizer_index": dict(optimizer_index),
-            "data_parallel_size": data_parallel_size}
+            "data_parallel_size": data_parallel_size, "saved_at": time.time()}
 
 
 def split(state, spread, rank, info):
@@ -111,20 +128,27 @@ def split(state, spread, rank, info):
     return shared, shard
 
 
-def _load(path, what):
+def _load(path, what, mmap=True):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing: {what}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated or foreign file: name it
         raise ValueError(f"{path} cannot be read as a checkpoint shard ({e})") from e
 
 
-def read_set(base):
-    """(shared state, [rank shard of each rank]) after checking that every file belongs to one save."""
+def read_set(base, shared=None):
+    """(shared state, [rank shard of each rank]) after checking that every file belongs to one save.
+
+    The shared file is read whole (what it holds is trained on, it must not stay backed by the file);
+    the rank files are memory-mapped, so only the expert rows that are cut out are read.
+    shared: the shared file's state when the caller has loaded it already.
+    """
     shared_file = shared_path(base)
-    shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
-                                f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)")
+    if shared is None:
+        shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
+                                    f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)",
+                       mmap=False)
     info = shared.get("extra_state", {}).get("moe_checkpoint")
     if not info or "save_id" not in info:
         raise ValueError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
@@ -161,18 +185,23 @@ def _cut_optimizer_state(entries, lo, hi):
     for key, value in first_entry.items():
         if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == entries[0][1]:
             out[key] = _cut([(f, e[key]) for f, _, e in entries], lo, hi)
+        elif torch.is_tensor(value) and value.numel() > 1:
+            # e.g. Adafactor's column statistics of a [E, f] bias, which mix the experts
+            raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} is not per expert: "
+                             f"it cannot be cut into expert slices")
         else:  # a scalar such as Adam's step: the same on every rank
             out[key] = value.clone() if torch.is_tensor(value) else value
     return out
 
 
-def assemble(base, want=None):
+def assemble(base, want=None, shared=None):
     """The fairseq checkpoint state of a sharded set: the shared state with the experts put back.
 
     want: {parameter name: (lo, hi)} to take only experts lo..hi-1 of a tensor (a rank of a new world
     size), else all E. The optimizer state of the experts is cut the same way.
+    shared: the shared file's state, when already loaded (see read_set).
     """
-    shared, shards = read_set(base)
+    shared, shards = read_set(base, shared)
     info = shared["extra_state"]["moe_checkpoint"]
     model = dict(shared["model"])
     opt = shared.get("last_optimizer_state")
@@ -247,6 +276,8 @@ def write(state, out, world_size, save=torch.save):
     experts = info.get("experts") or {}
     if not experts:
         raise ValueError(f"no expert-parallel manifest in the input of {out}: nothing to reshard")
+    history = state.get("optimizer_history") or [{}]
+    info.setdefault("num_updates", history[-1].get("num_updates", 0))  # a 1-process file has none
     info.update(save_id=new_save_id(), world_size=world_size)
     if world_size == 1:
         state = dict(state, extra_state=dict(state["extra_state"], moe_checkpoint=info))

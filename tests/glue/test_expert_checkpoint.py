@@ -5,6 +5,7 @@ at any world size and for any expert range, must give back exactly the full stat
 their optimizer state. Sets from two different saves, missing and truncated files are refused by name.
 """
 import os
+import time
 
 import pytest
 import torch
@@ -160,10 +161,112 @@ def test_single_file_found_behind_the_rank_suffix(tmp_path):
     assert shards.locate(str(tmp_path / "other-rank-1.pt")) is None
 
 
-@pytest.mark.parametrize("file_updates, wins", [(5, "set"), (7, "set"), (9, "file")])
-def test_set_and_single_file_of_one_name_the_later_wins(tmp_path, file_updates, wins):
-    """Training in one folder on 1 process, then on 2, then on 1 again: never resume the older one."""
-    base = save_as_ranks(tmp_path, 2)  # update 7
-    torch.save(full_state(updates=file_updates), base + ".pt")
+@pytest.mark.parametrize("set_first", [True, False])
+def test_set_and_single_file_of_one_name_the_later_save_wins(tmp_path, set_first):
+    """Training in one folder on 1 process, then on 2, then on 1 again (maybe with --reset-optimizer,
+    which restarts the update count): the checkpoint saved last is the one resumed."""
+    base = str(tmp_path / "checkpoint_last")
+    for step in ("set", "file") if set_first else ("file", "set"):
+        if step == "set":
+            save_as_ranks(tmp_path, 2)  # update 7
+        else:
+            state = full_state(updates=3)
+            state["extra_state"]["moe_checkpoint"] = {"saved_at": time.time()}
+            torch.save(state, base + ".pt")
+        time.sleep(0.01)
+    wins = "file" if set_first else "set"
     for name in (base + ".pt", shards.rank_path(base, 1), shards.shared_path(base)):
         assert shards.locate(name)[0] == wins
+
+
+def test_single_files_with_set_like_names_are_single_files(tmp_path):
+    for name in ("model-rank-1.pt", "model-shared.pt"):
+        torch.save(full_state(), tmp_path / name)
+        assert shards.locate(str(tmp_path / name)) == ("file", str(tmp_path / name))
+    one = str(tmp_path / "w2" / "ckpt.pt")
+    (tmp_path / "w2").mkdir()
+    save_as_ranks(tmp_path / "w2", 2)
+    reshard_main([str(tmp_path / "w2" / "checkpoint_last.pt"), str(tmp_path / "c-shared.pt"),
+                  "--world-size", "1"])  # a consolidated file named like a shared file
+    assert shards.locate(str(tmp_path / "c-shared.pt")) == ("file", str(tmp_path / "c-shared.pt"))
+    assert shards.locate(one) is None
+
+
+def test_state_that_is_not_per_expert_is_refused(tmp_path):
+    """Adafactor keeps column statistics of a [E, f] bias that mix the experts: no exact cut exists."""
+    state = full_state()
+    state["last_optimizer_state"]["state"][2]["exp_avg_sq_col"] = torch.ones(5)
+    state["extra_state"]["moe_checkpoint"] = info(2)
+    with pytest.raises(ValueError, match="'exp_avg_sq_col' of shape \\(5,\\) is not per expert"):
+        shards.cut_for_rank(state, {n: (0, 2, E) for n in EXPERTS})
+
+
+def test_assembled_state_is_not_backed_by_the_files(tmp_path):
+    """What is loaded gets trained on: overwriting the checkpoint files later must not change it."""
+    base = save_as_ranks(tmp_path, 2)
+    state = shards.assemble(base)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    later = tmp_path / "later"
+    later.mkdir()
+    other = save_as_ranks(later, 2, full_state(seed=1))
+    for f in os.listdir(later):  # overwrite in place, as fairseq's copy to checkpoint_last does
+        with open(later / f, "rb") as src, open(tmp_path / f, "r+b") as dst:
+            dst.write(src.read())
+    assert other and all(torch.equal(state["model"][k], v) for k, v in before.items())
+
+
+# ----- with fairseq-train ---------------------------------------------------------------------------
+
+SGD = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0",
+       "--dropout", "0", "--required-batch-size-multiple", "1")
+
+
+@pytest.mark.slow
+def test_fine_tuning_flag_does_not_hide_a_set_to_resume(data_bin, tmp_path):
+    """A save folder whose checkpoint_last exists only as a set: fairseq would take the run for a first
+    launch and start --finetune-from-model over it. It resumes instead."""
+    from .helpers import run_train, train_argv
+
+    run_train(train_argv(data_bin, tmp_path / "a", *SGD, "--max-update", "2"))
+    for name in ("b", "c"):
+        assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"),
+                             str(tmp_path / name / "checkpoint_last.pt"), "--world-size", "2"]) == 0
+    run_train(train_argv(data_bin, tmp_path / "b", *SGD, "--max-update", "3"))
+    run_train(train_argv(data_bin, tmp_path / "c", *SGD, "--max-update", "3",
+                         "--finetune-from-model", str(tmp_path / "a" / "checkpoint_last.pt")))
+    b = torch.load(tmp_path / "b" / "checkpoint_last.pt", weights_only=True)
+    c = torch.load(tmp_path / "c" / "checkpoint_last.pt", weights_only=True)
+    torch.testing.assert_close(c["model"], b["model"], rtol=0, atol=0)
+    torch.testing.assert_close(c["last_optimizer_state"], b["last_optimizer_state"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, tmp_path):
+    """--restore-file in a folder whose name holds ".pt" (fairseq's suffix replace would miss it), a set
+    of an earlier 4-rank run overwritten by 2 ranks (its rank files 2 and 3 go), and a user's file
+    that merely ends in -shared.pt (it stays)."""
+    import subprocess
+    import sys
+
+    from .helpers import run_train, train_argv
+
+    run_train(train_argv(data_bin, tmp_path / "a", *SGD, "--max-update", "2"))
+    save = tmp_path / "run.pt2" / "save"
+    assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"), str(save / "checkpoint_last.pt"),
+                         "--world-size", "4"]) == 0
+    torch.save({"mine": torch.ones(1)}, save / "notes-shared.pt")
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
+           *train_argv(data_bin, save, *SGD, "--max-update", "3", "--no-save-optimizer-state",
+                       "--restore-file", str(save / "checkpoint_last.pt"))]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    state = shards.assemble(str(save / "checkpoint_last"))
+    assert [h["num_updates"] for h in state["optimizer_history"]][-2:] == [2, 3]  # resumed at 2
+    assert sorted(os.listdir(save)) == sorted(
+        ["notes-shared.pt"] + [f"checkpoint_{n}-{r}.pt" for n in ("last", "best")
+                               for r in ("shared", "rank-0", "rank-1")])
+
+    missing = str(tmp_path / "nothing.pt")
+    with pytest.raises(FileNotFoundError, match=f"--restore-file {missing}: no such checkpoint"):
+        run_train(train_argv(data_bin, tmp_path / "d", *SGD, "--restore-file", missing))
