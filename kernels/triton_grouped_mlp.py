@@ -22,6 +22,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 _ACT = {"relu": 0, "gelu": 1, "silu": 2}
+# tl.dot with an fp32 accumulator: fp64 compiles in the interpreter but not for a GPU.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TUNE = not triton.knobs.runtime.interpret  # the interpreter must not autotune: fixed blocks there
 _BLOCK_M = 64 if _TUNE else 16  # rows per block: fixed, since the block -> expert table depends on it
 _FIXED = dict(BLOCK_N=16, BLOCK_K=16)  # interpreter: small tiles, so tiny test shapes still span several
@@ -77,14 +79,18 @@ def _rows_gemm(
     row_ok = rows < tl.load(block_end + pid_m)
     rows = rows.to(tl.int64)
     if GATHER:
-        x_rows = tl.load(src + rows, mask=row_ok, other=0)  # [BM] token ids
+        x_rows = tl.load(src + rows, mask=row_ok, other=0).to(tl.int64)  # [BM] token ids (int32 ones too)
     else:
         x_rows = rows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < C
+    # Offsets in int64 throughout: on a GPU an int32 index times a stride wraps silently past 2**31
+    # (N * f is 4.3e9 at T=64K, k=8, f=8K), and the stride of a column-major x is its row count.
+    cols = cols.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = X + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BM, BK]
-    w_ptrs = W + e * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
+    ks64 = ks.to(tl.int64)
+    x_ptrs = X + x_rows[:, None] * stride_xm + ks64[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = W + e * stride_we + ks64[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)  # <g, b2> per row, accumulated along K = d
     for k0 in range(0, K, BLOCK_K):
@@ -135,7 +141,7 @@ def _rows_gemm(
         if HAS_SCALE:
             out = acc * s_row
     if SCATTER:
-        y_rows = tl.load(dst + rows, mask=row_ok, other=0)  # [BM] slot ids
+        y_rows = tl.load(dst + rows, mask=row_ok, other=0).to(tl.int64)  # [BM] slot ids
     else:
         y_rows = rows
     tl.store(Y + y_rows[:, None] * stride_ym + cols[None, :], out.to(Y.dtype.element_ty), mask=ok)
@@ -160,6 +166,7 @@ def _experts_gemm(
     jj = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
     i_ok = ii < I
     j_ok = jj < J
+    ii, jj = ii.to(tl.int64), jj.to(tl.int64)  # int64 offsets, as in _rows_gemm
     acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
     col_sum = tl.zeros((BLOCK_J,), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
@@ -167,11 +174,11 @@ def _experts_gemm(
         r_ok = rows < end
         rows = rows.to(tl.int64)
         if GATHER_A:
-            a_rows = tl.load(a_src + rows, mask=r_ok, other=0)
+            a_rows = tl.load(a_src + rows, mask=r_ok, other=0).to(tl.int64)
         else:
             a_rows = rows
         if GATHER_B:
-            b_rows = tl.load(b_src + rows, mask=r_ok, other=0)
+            b_rows = tl.load(b_src + rows, mask=r_ok, other=0).to(tl.int64)
         else:
             b_rows = rows
         at = tl.load(A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
@@ -371,6 +378,14 @@ class _MoEMLP(torch.autograd.Function):
         return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None
 
 
+def _check(x, w1, w2, activation):
+    assert x.dtype == w1.dtype == w2.dtype, "x and the expert weights share one dtype"
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"the Triton MLP takes fp16, bf16 or fp32, not {x.dtype}: use the torch backend")
+    if activation not in _ACT:
+        raise ValueError(f"unknown activation {activation!r}")
+
+
 def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     """sum_n weights[n] * expert(x[token_index[n]]), gather and scatter fused: see reference.moe_mlp.
 
@@ -379,10 +394,10 @@ def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", 
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
-    assert x.dtype == w1.dtype == w2.dtype, "x and the expert weights share one dtype"
-    if activation not in _ACT:
-        raise ValueError(f"unknown activation {activation!r}")
-    return _MoEMLP.apply(x, token_index, weights, counts, w1, b1, w2, b2, activation, float(dropout_p))
+    _check(x, w1, w2, activation)
+    # The kernels read token_index and weights at unit stride: a strided view would be misread.
+    return _MoEMLP.apply(x, token_index.contiguous(), weights.contiguous(), counts, w1, b1, w2, b2, activation,
+                         float(dropout_p))
 
 
 def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
@@ -393,7 +408,5 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [N, d], w1: [E, d, f]"
     assert counts.numel() == w1.shape[0] == w2.shape[0], "one count per expert"
-    assert x.dtype == w1.dtype == w2.dtype, "x and the expert weights share one dtype"
-    if activation not in _ACT:
-        raise ValueError(f"unknown activation {activation!r}")
+    _check(x, w1, w2, activation)
     return _GroupedMLP.apply(x, counts, w1, b1, w2, b2, activation, float(dropout_p))

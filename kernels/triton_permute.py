@@ -28,7 +28,7 @@ def _gather_rows(src_ptr, index_ptr, scale_ptr, other_ptr, out_ptr, dot_ptr, N, 
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = n < N
     n = n.to(tl.int64)  # n * D can pass 2**31
-    src_row = tl.load(index_ptr + n, mask=valid, other=0)
+    src_row = tl.load(index_ptr + n, mask=valid, other=0).to(tl.int64)  # an int32 index too
     if HAS_SCALE:
         scale = tl.load(scale_ptr + n, mask=valid, other=0.0).to(tl.float32)
     dot = tl.zeros([BLOCK_N], dtype=tl.float32)

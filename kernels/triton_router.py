@@ -80,7 +80,7 @@ def _order_kernel(experts_ptr, offsets_ptr, order_ptr, T, E, B, K: tl.constexpr,
     pid = tl.program_id(0)
     j = tl.program_id(1)
     i = tl.arange(0, BLOCK_T)
-    t = pid * BLOCK_T + i
+    t = (pid * BLOCK_T + i).to(tl.int64)  # int64 offsets, as in the other kernels
     valid = t < T
     ex = tl.load(experts_ptr + t * K + j, mask=valid, other=-1)  # [BLOCK_T]
     # Rank among the block's earlier tokens with the same j-th choice: [BLOCK_T, BLOCK_T] compare.
@@ -132,6 +132,12 @@ def block_t(num_experts):
     return max(16, min(64, 4096 // triton.next_power_of_2(num_experts)))
 
 
+def num_warps(num_experts):
+    """Warps of the top-k and backward programs: 8 once E pads to 128 or more. With 4, the k = 8 choices
+    over a [32, 128] tile need 255 registers and spill (ptxas, sm_90); 8 warps halve the tile per thread."""
+    return 8 if num_experts > 64 else 4
+
+
 class _Router(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, top_k, sigmoid, renormalize):
@@ -147,7 +153,8 @@ class _Router(torch.autograd.Function):
         order = torch.empty(top_k * T, dtype=torch.long, device=dev)
         if T:
             _topk_kernel[(B,)](logits, weights, experts, hist, logits.stride(0), T, E, B, top_k,
-                               sigmoid, renormalize, eps, BT, BE, triton.next_power_of_2(top_k))
+                               sigmoid, renormalize, eps, BT, BE, triton.next_power_of_2(top_k),
+                               num_warps=num_warps(E))
         flat = hist.view(top_k * B, E).long()  # [(j, b), E] in assignment order
         counts = flat.sum(0)  # [E]
         before = torch.cumsum(flat, 0) - flat  # [(j, b), E] earlier blocks' rows of each expert
@@ -169,7 +176,8 @@ class _Router(torch.autograd.Function):
             BT = block_t(E)
             _backward_kernel[(triton.cdiv(T, BT),)](
                 logits, experts, grad_weights.float().contiguous(), grad_logits, logits.stride(0), T, E,
-                experts.shape[1], ctx.sigmoid, ctx.renormalize, ctx.eps, BT, triton.next_power_of_2(E))
+                experts.shape[1], ctx.sigmoid, ctx.renormalize, ctx.eps, BT, triton.next_power_of_2(E),
+                num_warps=num_warps(E))
         return grad_logits, None, None, None
 
 

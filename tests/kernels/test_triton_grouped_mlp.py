@@ -4,12 +4,20 @@ grouped_mlp and moe_mlp: the output and the gradient of every floating input (x,
 weights, w1, b1, w2, b2) equal the reference's, for relu/gelu/silu, odd sizes (T, N not multiples
 of the row block, d and f not powers of two), empty experts, one expert holding every row, k in
 {1, 2, 4} rows per token with tokens that keep no row, and activation dropout with a shared seed
-(the mask is the reference's, bit for bit). Also: partial requires_grad with a strided x, no rows
-at all, the [N, f]-only saved state, bad counts. Without a GPU this runs in fp32 in Triton's
-interpreter (tests/conftest.py); with one, the same tests run on it in fp32 ("ieee" dots), and
-the gpu-marked tests check bf16/fp16 against an fp32 reference and bitwise determinism.
+(the mask is the reference's, bit for bit). Also: partial requires_grad with a strided x, strided
+token_index and routing weights, no rows at all, the [N, f]-only saved state, bad counts and dtypes.
+Without a GPU this runs in fp32 in Triton's interpreter (tests/conftest.py), and every kernel of
+kernels/triton_*.py, each autotune config included, is compiled for sm_90 (H100/H200) offline; with
+a GPU, the same tests run on it in fp32 ("ieee" dots), and the gpu-marked tests check bf16/fp16
+against an fp32 reference, bitwise determinism, and rows whose [N, f] offsets pass 2**31.
 Legend: T tokens, N rows, d model dim, f ffn dim, E experts, k rows per token.
 """
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -168,6 +176,23 @@ def test_moe_mlp_keeps_only_rows_of_width_f():
     assert per_row and all(s == (N, F) for s in per_row), per_row
 
 
+def test_strided_token_index_and_weights():
+    """The kernels read token_index and the routing weights at unit stride: views with stride 2 must
+    give the reference's output and weights gradient all the same."""
+    x, token_index, weights, counts, *ws = moe_args("k2_capacity_drops")
+    outs = []
+    for fn in (tri.moe_mlp, reference.moe_mlp):
+        wt = weights.clone().requires_grad_()
+        strided_wt = torch.stack([wt, -wt], 1)[:, 0]  # [N] at stride 2, still differentiable
+        strided_index = torch.stack([token_index, token_index.flip(0)], 1)[:, 0]
+        assert not strided_wt.is_contiguous() and not strided_index.is_contiguous()
+        y = fn(x, strided_index, strided_wt, counts, *ws, "gelu")
+        y.pow(2).sum().backward()
+        outs.append((y, wt.grad))
+    for p, q in zip(*outs):
+        torch.testing.assert_close(p, q, **TOL)
+
+
 def test_no_rows():
     """Every token dropped: zeros out, zero weight gradients, zero x gradient."""
     x, _, _, _, *ws = moe_args("k1")
@@ -181,12 +206,104 @@ def test_no_rows():
     assert out.shape == (0, D) and all(g.abs().sum() == 0 for g in grads)
 
 
-def test_bad_counts():
+def test_bad_arguments():
     x, counts, *ws = grouped_args([3, 4])
     with pytest.raises(ValueError, match="counts sum to 8"):
         tri.grouped_mlp(x, counts + torch.tensor([0, 1], device=DEVICE), *ws)
     with pytest.raises(ValueError, match="unknown activation"):
         tri.grouped_mlp(x, counts, *ws, activation="tanh")
+    # fp64 runs in the interpreter but tl.dot cannot compile it for a GPU: refused everywhere, clearly.
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
+        tri.grouped_mlp(x.double(), counts, *[w.double() for w in ws])
+    args = [t.double() if t.is_floating_point() else t for t in moe_args("k1")]
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
+        tri.moe_mlp(*args)
+
+
+# Run in a fresh interpreter without TRITON_INTERPRET: a stub driver lets JITFunction.warmup compile
+# (Triton -> PTX -> cubin with Triton's own ptxas) for sm_90 without a GPU. Each launch of the real host
+# code is replaced by a compile of every autotune config: a kernel that only the interpreter accepts,
+# or a config over the shared memory of an H100/H200, fails here rather than on the GPU.
+_COMPILE_SM90 = r'''
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.autotuner import Autotuner
+
+class Offline(DriverBase):
+    @classmethod
+    def is_active(cls): return True
+    def map_python_to_cpp_type(self, ty): return ty
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+    def get_benchmarker(self): raise RuntimeError("compile only")
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+
+try:
+    assert "nvidia" in triton.backends.backends, "this triton has no NVIDIA backend"
+    triton.runtime.driver.set_active(Offline())
+except (AssertionError, TypeError) as err:  # TypeError: abstract methods of another Triton's driver API
+    print(err)
+    sys.exit(3)
+from kernels import triton_grouped_mlp as tri, triton_permute as tp, triton_router as tr
+assert tri._TUNE
+shared, every_config = {}, True
+
+class Compile:  # stands in for a kernel: a launch compiles it (every autotune config) and runs nothing
+    def __init__(self, kernel):
+        tuned = isinstance(kernel, Autotuner)
+        self.fn, self.configs = (kernel.fn, kernel.configs) if tuned else (kernel, [None])
+        self.best_config = self.configs[0]  # what _rows reads after a launch
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for c in self.configs if every_config else self.configs[:1]:
+                k = self.fn.warmup(*args, grid=(1,), **kwargs, **(c.all_kwargs() if c else {}))
+                shared[self.fn.__name__] = max(shared.get(self.fn.__name__, 0), k.metadata.shared)
+        return launch
+
+for mod, names in ((tri, ["_rows_kernel", "_experts_kernel"]), (tp, ["_gather_rows", "_sum_rows"]),
+                   (tr, ["_topk_kernel", "_order_kernel", "_backward_kernel"])):
+    for name in names:
+        setattr(mod, name, Compile(getattr(mod, name)))
+
+def mlp(fn, dtype, activation, p):  # d, f multiples of 16 like real sizes (Triton specialises on it)
+    T, d, f, counts = 48, 64, 96, torch.tensor([40, 0, 56])
+    g = lambda *s: torch.randn(*s, dtype=dtype).requires_grad_()
+    ws = [g(3, d, f), g(3, f), g(3, f, d), g(3, d)]
+    if fn is tri.moe_mlp:
+        y = fn(g(T, d), torch.arange(T).repeat(2), torch.rand(2 * T).requires_grad_(), counts, *ws, activation, p)
+    else:
+        y = fn(g(2 * T, d), counts, *ws, activation, p)
+    y.backward(torch.ones_like(y))
+
+mlp(tri.moe_mlp, torch.bfloat16, "gelu", 0.1)  # a training step's launches, each with every config
+every_config = False
+mlp(tri.grouped_mlp, torch.bfloat16, "relu", 0.0)
+mlp(tri.moe_mlp, torch.float32, "silu", 0.0)  # "ieee" dots
+logits = torch.randn(100, 128, dtype=torch.bfloat16).requires_grad_()
+tr.router(logits, 8, "softmax", True)[0].sum().backward()
+index = torch.arange(50).repeat(2)
+tp.permute(torch.randn(50, 64, dtype=torch.bfloat16).requires_grad_(), index).sum().backward()
+rows = torch.randn(100, 64, dtype=torch.bfloat16).requires_grad_()
+tp.unpermute(rows, index, torch.rand(100).requires_grad_(), 50).sum().backward()
+print(json.dumps(shared))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests compile and run every kernel")
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run_ = subprocess.run([sys.executable, "-c", _COMPILE_SM90], cwd=Path(__file__).parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if run_.returncode == 3:
+        pytest.skip(f"cannot compile offline with this triton: {run_.stdout.strip()}")
+    assert run_.returncode == 0, run_.stderr[-3000:]
+    shared = json.loads(run_.stdout.strip().splitlines()[-1])  # kernel -> most shared memory of its configs
+    assert set(shared) == {"_rows_gemm", "_experts_gemm", "_topk_kernel", "_order_kernel", "_backward_kernel",
+                           "_gather_rows", "_sum_rows"}
+    assert max(shared.values()) <= 227 * 1024, shared  # the most one block may use on an H100/H200
 
 
 GPU_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # relative error (norm) of output and each gradient
@@ -230,3 +347,30 @@ def test_deterministic_on_gpu():
     first, second = run(tri.moe_mlp, args, activation="gelu"), run(tri.moe_mlp, args, activation="gelu")
     for p, q in zip([first[0], *first[1]], [second[0], *second[1]]):
         assert torch.equal(p, q)
+
+
+def check_rows_past(T, E, k, d, f, first, dtype, tol):
+    """moe_mlp against the reference (same dtype) where it touches rows n >= first: the output and x
+    gradient of their tokens, their weights gradient, the weight gradients of their experts."""
+    token_index, weights, counts = routed(T, E, k, seed=8)
+    x = torch.randn(T, d, generator=gen(9)).to(DEVICE, dtype)
+    args = [x, token_index, weights, counts, *[w.to(dtype) for w in expert_weights(E, d, f, seed=10)]]
+    ours, ref = run(tri.moe_mlp, args, activation="gelu"), run(reference.moe_mlp, args, activation="gelu")
+    late = token_index[first:].unique()  # tokens with a row past `first`
+    experts = (counts.cumsum(0) > first).nonzero().squeeze(1)  # experts with a row past `first`
+    pairs = [("out", ours[0].detach()[late], ref[0].detach()[late]), ("x", ours[1][0][late], ref[1][0][late]),
+             ("weights", ours[1][1][first:], ref[1][1][first:])]
+    pairs += [(n, p[experts], q[experts]) for n, p, q in zip(["w1", "b1", "w2", "b2"], ours[1][2:], ref[1][2:])]
+    assert late.numel() and experts.numel()
+    for name, p, q in pairs:
+        assert rel_err(p, q) < tol, (name, rel_err(p, q))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offsets_past_2_31_on_gpu():
+    """N * f > 2**31 (N = 280K rows, f = 8K; about 40 GB of GPU memory with the reference): the [N, f]
+    activations of rows n >= 2**31 / f lie past int32 offsets, which would wrap and corrupt them."""
+    f = 8192
+    check_rows_past(T=140_000, E=8, k=2, d=128, f=f, first=2**31 // f, dtype=torch.bfloat16,
+                    tol=GPU_TOL[torch.bfloat16])

@@ -6,7 +6,8 @@ reference, for the token_index a router makes (k in {1, 2, 4}, empty experts, on
 every row, capacity drops that leave tokens with no row), T spanning two token blocks and not a
 multiple of one, d not a power of two and wider than one d chunk, no rows at all, one token holding
 many rows, non-contiguous inputs; the unpermute is bitwise repeatable. GPU (marked gpu): bf16/fp16
-against an fp32 reference.
+against an fp32 reference. Compiled for sm_90 without a GPU:
+test_triton_grouped_mlp.py::test_kernels_compile_for_sm90.
 Legend: T tokens, N rows, d model dim, E experts, k choices per token.
 """
 import importlib

@@ -8,7 +8,8 @@ a power of two, empty experts, one expert taking every first choice, T = 1, fp64
 logits; NaN logits keep expert ids in range. With exactly tied logits the experts follow the
 documented rule (largest first, lowest id among ties; torch.topk leaves that order unspecified) and
 order/counts are the stable sort of those experts. GPU (marked gpu): bf16, fp16 and fp32 logits
-against the fp32 reference with per-dtype gradient tolerances.
+against the fp32 reference with per-dtype gradient tolerances. Compiled for sm_90 without a GPU:
+test_triton_grouped_mlp.py::test_kernels_compile_for_sm90.
 Legend: T tokens, E experts, k choices per token.
 """
 import importlib
