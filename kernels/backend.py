@@ -37,8 +37,11 @@ def _triton_unavailable(device):
     return None
 
 
-def resolve(name, device):
-    """The backend `name` means for tensors on `device`: "torch" or "triton"."""
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton GEMMs compile for
+
+
+def resolve(name, device, dtype=None):
+    """The backend `name` means for tensors of `dtype` on `device`: "torch" or "triton"."""
     if name not in BACKENDS:
         raise ValueError(f"{FLAG} must be one of {list(BACKENDS)}, got {name!r}")
     device = torch.device(device)
@@ -46,7 +49,10 @@ def resolve(name, device):
         return "torch"
     if name == "auto":
         # Never the interpreter: auto must not turn a CPU run into a much slower one.
-        return "triton" if device.type == "cuda" and _triton_unavailable(device) is None else "torch"
+        return ("triton" if device.type == "cuda" and dtype in (None, *TRITON_DTYPES)
+                and _triton_unavailable(device) is None else "torch")
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        raise ValueError(f"{FLAG} triton runs fp16, bf16 and fp32 tensors, not {dtype}; use torch")
     reason = _triton_unavailable(device)
     if reason is not None:
         raise ValueError(f"{FLAG} triton cannot run on {device}: {reason}")

@@ -81,7 +81,7 @@ class MoELayer(nn.Module):
             keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
             x = x.index_select(0, keep)
         T = x.shape[0]
-        ops = backend.ops(backend.resolve(self.cfg.kernel_backend, x.device))
+        ops = backend.ops(backend.resolve(self.cfg.kernel_backend, x.device, x.dtype))
 
         logits = self.gate(x)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels import backend, reference
 
@@ -101,3 +102,11 @@ def test_import_kernels_without_triton():
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120,
                    env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_dtype_decides_too():
+    """The Triton GEMMs compile for fp16/bf16/fp32: auto keeps fp64 on torch, explicit triton says so."""
+    assert backend.resolve("auto", "cuda", torch.float64) == "torch"
+    assert backend.resolve("torch", "cpu", torch.float64) == "torch"
+    with pytest.raises(ValueError, match="--moe-kernel-backend triton runs fp16, bf16 and fp32 tensors"):
+        backend.resolve("triton", "cpu", torch.float64)
