@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The device run of the GPU side of the kernels, in one call (from the repository root, on a CUDA
+# machine that has torch and triton; fairseq is not needed):
+#     bash benchmarks/gpu_check.sh [OUT_DIR]
+# 1. the gpu-marked tests: bf16/fp16 kernels against fp32 references, offsets past 2^31, determinism;
+# 2. benchmarks/bench_kernels.py: correctness on the device, then timings against the device's dense
+#    bf16 matmul rate and copy bandwidth, with PASS/FAIL per target (JSON + log in OUT_DIR).
+# Both steps have time limits that together stay under 10 minutes. Record the figures in
+# benchmarks/kernel_notes.md and the README (device, date, command).
+set -uo pipefail
+OUT="${1:-${OUT:-gpu_out}}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    2>&1 | tee "$OUT/env.txt"
+timeout 240 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 320 "$PY" benchmarks/bench_kernels.py --budget-s 240 --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
