@@ -110,17 +110,27 @@ def _rank0_files(save_dir):
 
 
 def _clean_up(before, save_dir, world_size, written):
-    """After a save (rank 0): the shared file of every set whose rank-0 file fairseq deleted in this
-    save (--keep-interval-updates, --keep-last-epochs, --keep-best-checkpoints) goes too, and rank
-    files beyond this world size of a set just overwritten (left by an earlier, larger run) go."""
-    for gone in before - _rank0_files(save_dir):
-        shared = shards.shared_path(shards.set_base(gone))
-        if os.path.exists(shared):
-            os.remove(shared)
+    """After a save (rank 0), for the sets whose rank-0 file fairseq deleted in this save
+    (--keep-interval-updates, --keep-last-epochs, --keep-best-checkpoints; also one written and deleted
+    in the same save): their shared file and the rank files of ranks that are not there any more (a set
+    of an earlier, larger run) go too. A set just written loses its rank files beyond this world size."""
+    after = _rank0_files(save_dir)
+    written_rank0 = {shards.rank_path(base, 0) for base in written}
+    for gone in (before | written_rank0) - after:
+        base = shards.set_base(gone)
+        _remove_ranks(base, 0)  # the other ranks removed their own files below world_size
+        if os.path.exists(shards.shared_path(base)):
+            os.remove(shards.shared_path(base))
     for base in written:
-        for stale in glob.glob(glob.escape(base) + "-rank-*.pt"):
-            if int(shards._SHARD.match(stale).group("rank")) >= world_size:
-                os.remove(stale)
+        _remove_ranks(base, world_size)
+
+
+def _remove_ranks(base, first):
+    """Delete NAME-rank-R.pt for R >= first (other files that merely start alike stay)."""
+    for path in glob.glob(glob.escape(base) + "-rank-*.pt"):
+        m = shards._SHARD.match(path)
+        if m and m.group("base") == base and m.group("rank") is not None and int(m.group("rank")) >= first:
+            os.remove(path)
 
 
 def install_expert_parallel_checkpointing():
@@ -258,10 +268,14 @@ def install_expert_parallel_checkpointing():
         overrides, finetuning = {}, False
         if cfg.restore_file == "checkpoint_last.pt":
             last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
-            resumable = shards.locate(last) is not None
-            if resumable and not os.path.exists(last):
+            resumable = shards.locate(last) is not None  # the same answer on every rank
+            resets = (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters
+                      or cfg.reset_dataloader)
+            # (--finetune-from-model with --reset-* is fairseq's own error, raised on every rank.)
+            if resumable and not (cfg.finetune_from_model is not None and resets):
                 overrides = {"finetune_from_model": None, "continue_once": None}
-            finetuning = not resumable and cfg.finetune_from_model is not None
+            finetuning = (not resumable and cfg.finetune_from_model is not None
+                          and getattr(cfg, "continue_once", None) is None)
         # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
         _want["reset_dataloader"] = cfg.reset_dataloader or finetuning
         try:

@@ -65,7 +65,7 @@ def locate(path):
     has_set = os.path.exists(shared_path(base)) or bool(glob.glob(glob.escape(base) + "-rank-*.pt"))
     has_file = os.path.exists(plain)
     if has_set and has_file:
-        return ("set", base) if _saved_at(shared_path(base)) >= _saved_at(plain) else ("file", plain)
+        return ("set", base) if _later_or_same(shared_path(base), plain) else ("file", plain)
     if has_set:
         return ("set", base)
     return ("file", plain) if has_file else None
@@ -87,14 +87,21 @@ def _is_set_file(path):
     return "save_id" in info and not any(name in state.get("model", {}) for name in info.get("experts", ()))
 
 
-def _saved_at(path):
-    """When the checkpoint was saved: its manifest's time, else the file's modification time.
+def _later_or_same(shared, plain):
+    """Was the set of this shared file saved no earlier than the single file?
 
-    Not the update number: that restarts with --reset-optimizer or a fine-tuning run."""
-    if not os.path.exists(path):
-        return float("inf")  # rank files without their shared file: let loading name what is missing
-    info = _peek(path).get("extra_state", {}).get("moe_checkpoint") or {}
-    return info.get("saved_at", os.path.getmtime(path))
+    By the save times the manifests carry; not by update numbers, which restart with --reset-optimizer
+    or a fine-tuning run. Files that carry no save time (written before fairseq-moe recorded it) are
+    compared by update number."""
+    if not os.path.exists(shared):
+        return True  # rank files without their shared file: let loading name what is missing
+    a, b = _peek(shared), _peek(plain)
+    ia = a.get("extra_state", {}).get("moe_checkpoint") or {}
+    ib = b.get("extra_state", {}).get("moe_checkpoint") or {}
+    if "saved_at" in ia and "saved_at" in ib:
+        return ia["saved_at"] >= ib["saved_at"]
+    history = b.get("optimizer_history") or [{}]
+    return ia.get("num_updates", 0) >= history[-1].get("num_updates", 0)
 
 
 def new_save_id():

@@ -270,3 +270,36 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     missing = str(tmp_path / "nothing.pt")
     with pytest.raises(FileNotFoundError, match=f"--restore-file {missing}: no such checkpoint"):
         run_train(train_argv(data_bin, tmp_path / "d", *SGD, "--restore-file", missing))
+
+
+def test_clean_up_after_a_save_removes_only_what_fairseq_dropped(tmp_path):
+    """Rank 0 after a save at W=2: a set fairseq deleted (its rank-0 file is gone) loses its shared
+    file and the rank files of an earlier 4-rank run; a set just written loses rank files >= 2; a set
+    written and deleted in the same save is cleaned too; look-alike files stay."""
+    from fairseq_moe.checkpoint import _clean_up, _rank0_files
+
+    def touch(*names):
+        for n in names:
+            (tmp_path / n).write_bytes(b"x")
+
+    touch("old-shared.pt", "old-rank-0.pt", "old-rank-2.pt", "old-rank-3.pt",       # 4-rank set, dropped
+          "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "last-rank-2.pt",   # rewritten by 2 ranks
+          "keep-shared.pt", "keep-rank-0.pt", "keep-rank-1.pt",                     # untouched
+          "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt")               # not ours
+    before = _rank0_files(str(tmp_path))
+    (tmp_path / "old-rank-0.pt").unlink()  # what fairseq's --keep-* did during the save
+    touch("best_1.2-shared.pt")  # written and deleted in the same save: its rank-0 file is gone
+    _clean_up(before, str(tmp_path), 2, [str(tmp_path / "last"), str(tmp_path / "best_1.2")])
+    assert sorted(os.listdir(tmp_path)) == sorted([
+        "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "keep-shared.pt", "keep-rank-0.pt",
+        "keep-rank-1.pt", "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt"])
+
+
+def test_files_without_save_times_compare_by_update(tmp_path):
+    base = save_as_ranks(tmp_path, 2)  # update 7, with a save time
+    shared = torch.load(shards.shared_path(base), weights_only=True)
+    del shared["extra_state"]["moe_checkpoint"]["saved_at"]  # as written before save times existed
+    torch.save(shared, shards.shared_path(base))
+    for updates, wins in ((5, "set"), (9, "file")):
+        torch.save(full_state(updates=updates), base + ".pt")
+        assert shards.locate(base + ".pt")[0] == wins
