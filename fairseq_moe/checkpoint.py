@@ -226,6 +226,8 @@ def install_expert_parallel_checkpointing():
             # fairseq puts the rank suffix into the path with str.replace(".pt", ...), which also
             # hits a ".pt" inside a folder name: resolve the file the user named. One that does
             # not exist is an error, not a silent fresh start.
+            if explicit.endswith(".pt"):  # with the user's --checkpoint-suffix, as fairseq means it
+                explicit = explicit[:-3] + (self.cfg.checkpoint.checkpoint_suffix or "") + ".pt"
             found = shards.locate(explicit)
             if found is None:
                 raise FileNotFoundError(f"--restore-file {explicit}: no such checkpoint")
