@@ -15,7 +15,6 @@ import glob
 import logging
 import os
 import time
-from contextlib import contextmanager
 from itertools import chain
 
 import torch
@@ -76,14 +75,18 @@ def check_supported(args, spread):
                          f"biases mix the experts); use adam, sgd, ...")
 
 
-@contextmanager
+@contextlib.contextmanager
 def _swapped(obj, name, value):
-    old = getattr(obj, name)
+    """obj.name = value for the duration of the block (an attribute it did not have is removed after)."""
+    had, old = hasattr(obj, name), getattr(obj, name, None)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, old)
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
 
 
 class _CopySharedToo:
@@ -118,8 +121,8 @@ def _clean_up(before, save_dir, world_size, written):
     written_rank0 = {shards.rank_path(base, 0) for base in written}
     for gone in (before | written_rank0) - after:
         base = shards.set_base(gone)
-        _remove_ranks(base, 0)  # the other ranks removed their own files below world_size
-        if os.path.exists(shards.shared_path(base)):
+        _remove_ranks(base, world_size)  # ranks below world_size remove their own files
+        with contextlib.suppress(FileNotFoundError):
             os.remove(shards.shared_path(base))
     for base in written:
         _remove_ranks(base, world_size)
@@ -130,7 +133,8 @@ def _remove_ranks(base, first):
     for path in glob.glob(glob.escape(base) + "-rank-*.pt"):
         m = shards._SHARD.match(path)
         if m and m.group("base") == base and m.group("rank") is not None and int(m.group("rank")) >= first:
-            os.remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def install_expert_parallel_checkpointing():
@@ -178,9 +182,10 @@ def install_expert_parallel_checkpointing():
 
         state = utils.move_to_cpu(self.state_dict())
         state["extra_state"].update(extra_state)
-        info = shards.manifest(self.get_num_updates(), self._moe_save_id, self.data_parallel_world_size,
-                               {n: E for n, (_, _, E) in spread.items()},
-                               _optimizer_index(self, spread), self.data_parallel_world_size)
+        experts = state["extra_state"]["moe_checkpoint"]  # from state_dict() above
+        W = self.data_parallel_world_size
+        info = shards.manifest(self.get_num_updates(), self._moe_save_id, W, experts["experts"],
+                               experts["optimizer_index"], W)
         shared, mine = shards.split(state, {n: (f, c) for n, (f, c, _) in spread.items()},
                                     self.data_parallel_rank, info)
         async_write = self.cfg.checkpoint.write_checkpoints_asynchronously
@@ -209,15 +214,16 @@ def install_expert_parallel_checkpointing():
             _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, trainer._moe_written)
         return out
 
-    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False, want=None):
+        """fairseq's loader, for a single file or a set (want: the expert ranges to read, else all)."""
         found = shards.locate(path)
         if not found or found[0] == "file":
             return load_to_cpu(found[1] if found else path, arg_overrides, load_on_all_ranks)
         base = found[1]
         # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file,
-        # then put the experts in (only this rank's, when a trainer asked for them: _want).
+        # then put the experts in.
         state = load_to_cpu(shards.shared_path(base), arg_overrides, load_on_all_ranks)
-        return shards.assemble(base, want=_want.get("ranges"), shared=state)
+        return shards.assemble(base, want=want, shared=state)
 
     def load_sharded(self, filename, *args, **kwargs):
         found = shards.locate(filename)
@@ -235,32 +241,22 @@ def install_expert_parallel_checkpointing():
         if found:  # fairseq checks that the file it is given exists
             filename = shards.shared_path(base) if base else found[1]
         spread = spread_of(self)
-        if not spread and base is None:
-            return with_rescaled_iterator(self, filename, args, kwargs)
         ranges = {n: (f, f + c) for n, (f, c, _) in spread.items()}
-        # Every rank reads its own experts (fairseq would broadcast rank 0's state to all).
-        ckpt = self.cfg.checkpoint
-        with _swapped(ckpt, "load_checkpoint_on_all_dp_ranks", True if spread else
-                      ckpt.load_checkpoint_on_all_dp_ranks):
-            _want["ranges"] = ranges
-            try:
-                return with_rescaled_iterator(self, filename, args, kwargs, spread)
-            finally:
-                _want.pop("ranges", None)
-
-    def with_rescaled_iterator(self, filename, args, kwargs, spread=None):
-        reset_dataloader = _want.get("reset_dataloader", self.cfg.checkpoint.reset_dataloader)
+        reset_dataloader = getattr(self, "_moe_reset_dataloader", self.cfg.checkpoint.reset_dataloader)
 
         def read(path, arg_overrides=None, load_on_all_ranks=False):
-            state = checkpoint_utils_load(path, arg_overrides, load_on_all_ranks)
+            """This rank's state: its experts only, the data position rescaled to this world size."""
+            state = load_checkpoint_to_cpu(path, arg_overrides, load_on_all_ranks, want=ranges)
             if spread:
                 state = shards.cut_for_rank(state, spread)
             if not reset_dataloader:
                 state = shards.rescale_iterator(state, self.data_parallel_world_size, path)
             return state
 
-        checkpoint_utils_load = checkpoint_utils.load_checkpoint_to_cpu
-        with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read):
+        # With spread experts every rank reads its own (fairseq would broadcast rank 0's to all).
+        ckpt = self.cfg.checkpoint
+        with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read), \
+                _swapped(ckpt, "load_checkpoint_on_all_dp_ranks", bool(spread) or ckpt.load_checkpoint_on_all_dp_ranks):
             return trainer_load(self, filename, *args, **kwargs)
 
     def load_checkpoint_resolved(cfg, trainer, **passthrough_args):
@@ -279,17 +275,13 @@ def install_expert_parallel_checkpointing():
             finetuning = (not resumable and cfg.finetune_from_model is not None
                           and getattr(cfg, "continue_once", None) is None)
         # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
-        _want["reset_dataloader"] = cfg.reset_dataloader or finetuning
-        try:
-            with contextlib.ExitStack() as stack:
-                for key, value in overrides.items():
-                    if key in cfg:
-                        stack.enter_context(_swapped(cfg, key, value))
-                return load_checkpoint(cfg, trainer, **passthrough_args)
-        finally:
-            _want.pop("reset_dataloader", None)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_swapped(trainer, "_moe_reset_dataloader", cfg.reset_dataloader or finetuning))
+            for key, value in overrides.items():
+                if key in cfg:
+                    stack.enter_context(_swapped(cfg, key, value))
+            return load_checkpoint(cfg, trainer, **passthrough_args)
 
-    _want = {}
     Trainer.checkpoint_suffix = property(checkpoint_suffix)
     Trainer.should_save_checkpoint_on_current_rank = property(should_save_on_this_rank)
     Trainer.state_dict = state_dict

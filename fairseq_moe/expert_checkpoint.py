@@ -12,7 +12,7 @@ and the expert layout. Loading checks each file of the set against the shared fi
 with an error naming the first missing or mismatched file, so files of two different saves (say a crash
 in the middle of one) never load silently. A set loads at any world size: a rank's experts, and their
 optimizer state (tensors shaped like the parameter, cut along the expert dim), are taken from the old
-ranks' slices. Files are read memory-mapped, so a rank reads only the expert rows it needs.
+ranks' slices. Rank files are read memory-mapped, so a rank reads only the expert rows it needs.
 
 No fairseq import here: this is the file format, used by the trainer hooks (checkpoint.py) and the
 reshard/consolidate commands.
@@ -159,6 +159,9 @@ def read_set(base, shared=None):
     info = shared.get("extra_state", {}).get("moe_checkpoint")
     if not info or "save_id" not in info:
         raise ValueError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{shared_file} is in checkpoint format {info.get('format')}; this fairseq-moe "
+                         f"reads format {FORMAT}")
     W = info["world_size"]
     shards = []
     for r in range(W):
@@ -285,7 +288,7 @@ def write(state, out, world_size, save=torch.save):
         raise ValueError(f"no expert-parallel manifest in the input of {out}: nothing to reshard")
     history = state.get("optimizer_history") or [{}]
     info.setdefault("num_updates", history[-1].get("num_updates", 0))  # a 1-process file has none
-    info.update(save_id=new_save_id(), world_size=world_size)
+    info.update(format=FORMAT, save_id=new_save_id(), world_size=world_size)
     if world_size == 1:
         state = dict(state, extra_state=dict(state["extra_state"], moe_checkpoint=info))
         save(state, out)
