@@ -30,6 +30,12 @@ def _triton_unavailable(device):
                     "imported; slow, meant for tests), or use torch")
     elif device.type != "cuda":
         return f"Triton kernels run on CUDA devices, not on {device.type!r}"
+    return _import_error()
+
+
+@lru_cache(maxsize=None)
+def _import_error():
+    """Why triton does not import, or None; asked once (resolve() runs in every layer forward)."""
     try:
         import triton  # noqa: F401
     except ImportError as err:  # a broken install raises other ImportErrors than "not found"

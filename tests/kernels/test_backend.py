@@ -15,8 +15,12 @@ from kernels import backend, reference
 
 @pytest.fixture
 def no_triton(monkeypatch):
-    """`import triton` raises ImportError (a None entry in sys.modules blocks the import)."""
+    """`import triton` raises ImportError (a None entry in sys.modules blocks the import); the
+    backend's cached answer to "does triton import?" is forgotten before and after."""
+    backend._import_error.cache_clear()
     monkeypatch.setitem(sys.modules, "triton", None)
+    yield
+    backend._import_error.cache_clear()
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
