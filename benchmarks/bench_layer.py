@@ -28,12 +28,12 @@ import time
 from collections import defaultdict
 
 import torch
-from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fairseq_moe.moe import MoEConfig, MoELayer  # noqa: E402
+from kernel_cases import DenseFFNs  # noqa: E402  (beside this script: the same baseline as bench_kernels)
 import fairseq_moe.moe.layer as layer_module  # noqa: E402
 
 # Targets at the largest T of the grid (16384 by default): time ratio per E, and memory ratio.
@@ -70,22 +70,6 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------------------------------------
 # The two models and one training step of each
-
-
-class DenseEquivalent(nn.Module):
-    """k dense FFNs (Linear(d, f) -> relu -> Linear(f, d)) on the same tokens, outputs summed."""
-
-    def __init__(self, d, f, k):
-        super().__init__()
-        self.ffns = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, f), nn.ReLU(), nn.Linear(f, d)) for _ in range(k)
-        )
-
-    def forward(self, x):
-        y = self.ffns[0](x)
-        for ffn in self.ffns[1:]:
-            y = y + ffn(x)
-        return y
 
 
 def _clear_grads(module, x):
@@ -371,7 +355,7 @@ def run_config(args, E, T):
     cf = 0.0 if args.dropless else args.capacity_factor
     layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf))
     layer.train()
-    dense = DenseEquivalent(d, f, k).train()
+    dense = DenseFFNs(d, f, k, "relu", "cpu", torch.float32).train()
     x = torch.randn(T, d, requires_grad=True)
     grad_y = torch.randn(T, d)
 
