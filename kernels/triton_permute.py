@@ -54,19 +54,21 @@ def _sum_rows(rows_ptr, perm_ptr, start_ptr, weights_ptr, out_ptr, T, D, HAS_WEI
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     valid = t < T
     t = t.to(tl.int64)  # t * D can pass 2**31
-    lo = tl.load(start_ptr + t, mask=valid, other=0)
-    count = tl.load(start_ptr + t + 1, mask=valid, other=0) - lo  # [BLOCK_T] rows of each token
+    # Everything per token is kept [BLOCK_T, 1] (2-D): Triton 3.6's layout pass (TritonGPURemoveLayout-
+    # Conversions) fails to compile this loop for sm_90 when 1-D row ids feed the 2-D gather.
+    lo = tl.load(start_ptr + t, mask=valid, other=0)[:, None]  # [BLOCK_T, 1] first row of each token
+    hi = tl.load(start_ptr + t + 1, mask=valid, other=0)[:, None]
+    col_ok = (cols < D)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for j in range(0, tl.max(count, axis=0)):  # as many steps as this block's busiest token
-        has = j < count
-        n = tl.load(perm_ptr + lo + j, mask=has, other=0)
-        mask = has[:, None] & (cols < D)[None, :]
-        v = tl.load(rows_ptr + n[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    for j in range(0, tl.max(tl.max(hi - lo, axis=1), axis=0)):  # as many steps as the busiest token
+        has = lo + j < hi
+        n = tl.load(perm_ptr + lo + j, mask=has, other=0)  # [BLOCK_T, 1] its j-th row
+        v = tl.load(rows_ptr + n * D + cols[None, :], mask=has & col_ok, other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
-            v = v * tl.load(weights_ptr + n, mask=has, other=0.0).to(tl.float32)[:, None]
+            v = v * tl.load(weights_ptr + n, mask=has, other=0.0).to(tl.float32)
         acc += v
-    mask = valid[:, None] & (cols < D)[None, :]
-    tl.store(out_ptr + t[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
 
 
 def gather_rows(src, index, scale=None, other=None):
