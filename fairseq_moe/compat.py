@@ -1,6 +1,7 @@
 """Fixes for the fairseq 0.12 releases this plugin supports, applied when the plugin is imported.
 
 1. Dropped last batch (below). 2. Multi-rank resume under torch >= 2.6 (_broadcast_with_omegaconf).
+3. NumPy 2 (_numpy_1_view): language modelling and bucketed translation data.
 
 fairseq 0.12's data_utils.batch_by_size drops the last batch whenever its size is not a multiple of
 --required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
@@ -8,9 +9,11 @@ sentences (the score is computed on the rest) and training never sees the longes
 We keep that batch, as fairseq did before 0.12; batches stay within --max-tokens/--batch-size.
 """
 
+import types
+
 import numpy as np
 import torch
-from fairseq.data import data_utils
+from fairseq.data import data_utils, language_pair_dataset, token_block_dataset
 from fairseq.distributed import utils as distributed_utils
 
 
@@ -38,6 +41,10 @@ def apply():
     if not getattr(distributed_utils._broadcast_object_slow, "allows_omegaconf", False):
         distributed_utils._broadcast_object_slow = _broadcast_with_omegaconf(
             distributed_utils._broadcast_object_slow, _broadcast_globals())
+    if not hasattr(np, "compat"):
+        for module in (token_block_dataset, language_pair_dataset, data_utils):
+            if module.np is np:
+                module.np = _numpy_1_view()
 
 
 def _broadcast_globals():
@@ -69,3 +76,21 @@ def _broadcast_with_omegaconf(broadcast_object_slow, allowed):
 
     wrapped.allows_omegaconf = True
     return wrapped
+
+
+def _numpy_1_view():
+    """numpy as fairseq 0.12 expects it, for its data modules only; numpy itself is left as it is.
+    NumPy 2 removed np.compat.long (the builtin int), used by TokenBlockDataset (every --task
+    language_modeling run with --sample-break-mode eos) and LanguagePairDataset (--num-batch-buckets),
+    and percentile's `interpolation=` (now `method=`), used by data_utils.get_buckets (the same flag)."""
+    view = types.ModuleType("numpy")
+    view.__getattr__ = lambda name: getattr(np, name)
+    view.compat = types.SimpleNamespace(long=int)
+
+    def percentile(a, q, *args, interpolation=None, **kwargs):
+        if interpolation is not None:
+            kwargs["method"] = interpolation
+        return np.percentile(a, q, *args, **kwargs)
+
+    view.percentile = percentile
+    return view

@@ -1,5 +1,6 @@
-"""fairseq 0.12 drops the last batch when its size is not a multiple of --required-batch-size-multiple;
-the plugin keeps it, so that generation translates every sentence and training sees every example."""
+"""compat.py's fixes. fairseq 0.12 drops the last batch when its size is not a multiple of
+--required-batch-size-multiple; the plugin keeps it, so that generation translates every sentence and
+training sees every example. Its data modules call NumPy 1 functions that NumPy 2 removed."""
 import numpy as np
 import pytest
 from fairseq.data import data_utils
@@ -20,3 +21,18 @@ def test_every_index_batched_once(use_vec, n, max_sentences, max_tokens, mult):
     for b in batches:
         assert max_sentences is None or len(b) <= max_sentences
         assert max_tokens is None or len(b) * lengths[b].max() <= max_tokens
+
+
+def test_numpy_2_datasets():
+    """fairseq's eos-block LM dataset and bucketed pair dataset use NumPy 1 calls gone in NumPy 2."""
+    import torch
+    from fairseq.data import Dictionary, LanguagePairDataset, TokenBlockDataset
+
+    sentences = [torch.tensor([4, 5, 2]), torch.tensor([6, 2]), torch.tensor([7, 8, 9, 2])]
+    blocks = TokenBlockDataset(sentences, [3, 2, 4], block_size=None, pad=1, eos=2, break_mode="eos")
+    assert [blocks[i].tolist() for i in range(3)] == [s.tolist() for s in sentences]
+    d = Dictionary()
+    sizes = np.array([3, 2, 4])
+    pairs = LanguagePairDataset(sentences, sizes, d, sentences, sizes, d, num_buckets=2)
+    assert pairs.buckets is not None and len(pairs) == 3
+    assert "compat" not in vars(np) or np.__version__ < "2"  # numpy itself is left as it was
