@@ -18,5 +18,5 @@ if fairseq is not None:
     compat.apply()
     # Importing these modules registers them with fairseq.
     from .criterions import moe_cross_entropy  # noqa: F401
-    from .models import moe_transformer  # noqa: F401
-    from .tasks import moe_translation  # noqa: F401
+    from .models import moe_transformer, moe_transformer_lm  # noqa: F401
+    from .tasks import moe_language_modeling, moe_translation  # noqa: F401

@@ -27,13 +27,17 @@ from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
 logger = logging.getLogger(__name__)
 
 
-def add_moe_args(parser):
-    """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs)."""
+def add_moe_args(parser, encoder=True):
+    """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs).
+    encoder=False: a decoder-only model (no --encoder-moe-freq)."""
     add = parser.add_argument
     add("--moe-expert-count", type=int, metavar="E", help="experts per MoE layer")
     add("--moe-freq", type=int, metavar="N",
-        help="make every N-th layer MoE on both sides (0: none unless a side's own freq is set)")
-    add("--encoder-moe-freq", type=int, metavar="N", help="every N-th encoder layer is MoE (overrides --moe-freq)")
+        help="make every N-th layer MoE" + (" on both sides (0: none unless a side's own freq is set)"
+                                           if encoder else " (0: none unless --decoder-moe-freq is set)"))
+    if encoder:
+        add("--encoder-moe-freq", type=int, metavar="N",
+            help="every N-th encoder layer is MoE (overrides --moe-freq)")
     add("--decoder-moe-freq", type=int, metavar="N", help="every N-th decoder layer is MoE (overrides --moe-freq)")
     add("--moe-expert-ffn-dim", type=int, metavar="F",
         help="hidden size of each expert (default: --encoder/decoder-ffn-embed-dim of the side)")
@@ -130,8 +134,69 @@ class MoETransformerDecoder(TransformerDecoderBase):
         return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask, no_encoder_attn), cfg)
 
 
+def prepare_moe_build(args, sides):
+    """A checked copy of args for building a model whose `sides` ('encoder', 'decoder') have MoE layers:
+    MoE defaults applied, layer ids and the expert-parallel group derived. Every bad flag fails here,
+    named, before a single weight is built."""
+    # Work on a copy: fairseq saves the caller's object in checkpoints, and what we derive
+    # here (layer ids, process groups) must not go there. fairseq-hydra-train passes a
+    # DictConfig, whose extra keys (our flags) TransformerConfig.from_namespace would drop.
+    args = Namespace(**(vars(args) if isinstance(args, Namespace)
+                        else OmegaConf.to_container(args, resolve=True)))
+    moe_base_architecture(args)
+    for side in ("encoder", "decoder"):
+        setattr(args, f"moe_{side}_layer_ids", moe_layer_ids(args, side) if side in sides else [])
+    if not args.moe_encoder_layer_ids and not args.moe_decoder_layer_ids:
+        freqs = ", ".join(f"--{side}-moe-freq {getattr(args, f'{side}_moe_freq')}" for side in sides)
+        layers = " / ".join(f"{getattr(args, f'{side}_layers')} {side}" for side in sides)
+        raise ValueError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers")
+    if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
+        raise ValueError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
+    configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
+    frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
+    if 0 < frac < k / args.moe_expert_count:
+        logger.warning(
+            "--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take "
+            "fewer tokens than its fair share at validation and generation, so tokens will be "
+            "dropped even with a perfectly balanced router (use -1 for the training capacity)",
+            frac, k, args.moe_expert_count)
+    # Where the model will run: a triton backend that cannot run there fails now, named.
+    kernels = kernel_backend.resolve(args.moe_kernel_backend, "cpu" if args.cpu or
+                                     not torch.cuda.is_available() else "cuda")
+    if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
+        # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
+        if args.moe_kernel_backend == "triton":
+            raise ValueError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
+                             "it cannot be combined with --moe-kernel-backend triton")
+        logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
+                    args.moe_a2a_overlap_degree)
+    args.moe_ep = build_expert_parallel(args)
+    check_supported(args, spread=args.moe_ep is not None)
+    return args
+
+
+class MoEModelMixin:
+    """What every MoE model adds to its fairseq model class (put it first among the bases)."""
+
+    def finish_moe(self, args):
+        # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
+        self._ddp_params_and_buffers_to_ignore = [
+            name for name, p in self.named_parameters() if getattr(p, "expert", False)
+        ]
+        logger.info("MoE layers: encoder %s, decoder %s; %d experts, top-%d", args.moe_encoder_layer_ids,
+                    args.moe_decoder_layer_ids, args.moe_expert_count, moe_config(
+                        args, "encoder" if args.moe_encoder_layer_ids else "decoder").top_k)
+        return self
+
+    def forward(self, *args, **kwargs):
+        # Forget the previous batch's aux so that a layer skipped now (layerdrop) is not counted.
+        for _, block in moe_blocks(self):
+            block.last_aux = None
+        return super().forward(*args, **kwargs)
+
+
 @register_model("moe_transformer")
-class MoETransformerModel(TransformerModel):
+class MoETransformerModel(MoEModelMixin, TransformerModel):
     """Transformer whose FFN is a Mixture of Experts in every N-th encoder/decoder layer."""
 
     @classmethod
@@ -141,55 +206,8 @@ class MoETransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        # Work on a copy: fairseq saves the caller's object in checkpoints, and what we derive
-        # here (layer ids, process groups) must not go there. fairseq-hydra-train passes a
-        # DictConfig, whose extra keys (our flags) TransformerConfig.from_namespace would drop.
-        args = Namespace(**(vars(args) if isinstance(args, Namespace)
-                            else OmegaConf.to_container(args, resolve=True)))
-        moe_base_architecture(args)
-        # Check everything before a single weight is built: a bad flag fails here, named.
-        args.moe_encoder_layer_ids = moe_layer_ids(args, "encoder")
-        args.moe_decoder_layer_ids = moe_layer_ids(args, "decoder")
-        if not args.moe_encoder_layer_ids and not args.moe_decoder_layer_ids:
-            raise ValueError(
-                f"--moe-freq {args.moe_freq} (--encoder-moe-freq {args.encoder_moe_freq}, "
-                f"--decoder-moe-freq {args.decoder_moe_freq}) puts no MoE layer in "
-                f"{args.encoder_layers} encoder / {args.decoder_layers} decoder layers"
-            )
-        if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
-            raise ValueError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
-        configs = [moe_config(args, side) for side in ("encoder", "decoder")
-                   if getattr(args, f"moe_{side}_layer_ids")]
-        frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
-        if 0 < frac < k / args.moe_expert_count:
-            logger.warning(
-                "--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take "
-                "fewer tokens than its fair share at validation and generation, so tokens will be "
-                "dropped even with a perfectly balanced router (use -1 for the training capacity)",
-                frac, k, args.moe_expert_count)
-        # Where the model will run: a triton backend that cannot run there fails now, named.
-        kernels = kernel_backend.resolve(args.moe_kernel_backend, "cpu" if args.cpu or
-                                         not torch.cuda.is_available() else "cuda")
-        if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
-            # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
-            if args.moe_kernel_backend == "triton":
-                raise ValueError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
-                                 "it cannot be combined with --moe-kernel-backend triton")
-            logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
-                        args.moe_a2a_overlap_degree)
-        args.moe_ep = build_expert_parallel(args)
-        check_supported(args, spread=args.moe_ep is not None)
-        model = super().build_model(args, task)
-        # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
-        model._ddp_params_and_buffers_to_ignore = [
-            name for name, p in model.named_parameters() if getattr(p, "expert", False)
-        ]
-        logger.info(
-            "MoE layers: encoder %s, decoder %s; %d experts, top-%d",
-            args.moe_encoder_layer_ids, args.moe_decoder_layer_ids,
-            args.moe_expert_count, k,
-        )
-        return model
+        args = prepare_moe_build(args, ("encoder", "decoder"))
+        return super().build_model(args, task).finish_moe(args)
 
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
@@ -200,12 +218,6 @@ class MoETransformerModel(TransformerModel):
         return MoETransformerDecoder(
             cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
         )
-
-    def forward(self, *args, **kwargs):
-        # Forget the previous batch's aux so that a layer skipped now (layerdrop) is not counted.
-        for _, block in moe_blocks(self):
-            block.last_aux = None
-        return super().forward(*args, **kwargs)
 
 
 def moe_base_architecture(args):

@@ -1,80 +1,30 @@
-"""Task `moe_translation`: fairseq's translation task plus expert statistics.
+"""Task `moe_translation`: fairseq's translation task plus expert statistics (see expert_stats.py)."""
+from dataclasses import dataclass
 
-Validation, --eval-bleu and generation use the eval capacity (--moe-eval-capacity-token-fraction)
-because MoE layers pick their capacity from model.training, which fairseq sets for them.
-With --moe-stats-file, the expert load of every MoE layer is written every --moe-stats-interval
-updates as one JSON line: {"update": U, "layers": {name: [fraction per expert]}, "tokens": {name: n}}.
-"""
-import json
-import os
-from dataclasses import dataclass, field
-from typing import Optional
-
-import torch
-from fairseq.distributed import utils as dist_utils
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..models.moe_ffn import moe_blocks
+from .expert_stats import ExpertStatsConfig, MoETaskMixin
 
 
 @dataclass
-class MoETranslationConfig(TranslationConfig):
-    moe_stats_file: Optional[str] = field(
-        default=None, metadata={"help": "append per-layer expert load as JSON lines to this file"}
-    )
-    moe_stats_interval: int = field(
-        default=100, metadata={"help": "updates between two lines of --moe-stats-file"}
-    )
-
-
-class ExpertLoadLog:
-    """Sums each MoE layer's per-expert demand over an interval of updates, then writes a line."""
-
-    def __init__(self, path, interval):
-        if interval < 1:
-            raise ValueError(f"--moe-stats-interval must be >= 1, got {interval}")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"--moe-stats-file {path}: folder {folder} does not exist")
-        self.path, self.interval = path, interval
-        self.sums, self.tokens = {}, {}
-
-    def add(self, model):
-        for name, block in moe_blocks(model):
-            if block.last_aux is not None:
-                demand = block.last_aux.demand.detach().to("cpu", torch.float64)
-                self.sums[name] = self.sums.get(name, 0) + demand
-                self.tokens[name] = self.tokens.get(name, 0) + block.last_aux.num_tokens
-
-    def maybe_write(self, update_num):
-        if update_num % self.interval or not self.sums:
-            return
-        layers = {name: (s / s.sum().clamp(min=1)).tolist() for name, s in self.sums.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"update": update_num, "layers": layers, "tokens": self.tokens}) + "\n")
-        self.sums, self.tokens = {}, {}
+class MoETranslationConfig(TranslationConfig, ExpertStatsConfig):
+    pass
 
 
 @register_task("moe_translation", dataclass=MoETranslationConfig)
-class MoETranslationTask(TranslationTask):
+class MoETranslationTask(MoETaskMixin, TranslationTask):
     cfg: MoETranslationConfig
+    moe_task_name = "moe_translation"
 
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
-        self.load_log = None
-        # Rank 0 writes the file (its own counts; data-parallel ranks see similar loads).
-        if cfg.moe_stats_file and dist_utils.get_global_rank() == 0:
-            self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
+        self.init_moe_task(cfg)
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
-        blocks = moe_blocks(model)
-        if not blocks:
-            raise ValueError(
-                f"--task moe_translation needs a model with MoE layers; --arch {getattr(cfg, 'arch', '?')} has none"
-            )
-        if self.cfg.eval_bleu and any(block.moe.ep is not None for _, block in blocks):
+        if self.cfg.eval_bleu and any(block.moe.ep is not None for _, block in moe_blocks(model)):
             # Every MoE forward is then a collective, and beam search stops after a different
             # number of steps on each rank: the ranks would wait for each other forever.
             raise ValueError(
@@ -83,11 +33,3 @@ class MoETranslationTask(TranslationTask):
                 "collective); validate the loss here and score BLEU with fairseq-generate"
             )
         return model
-
-    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-        out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
-        if self.load_log is not None and not ignore_grad:
-            self.load_log.add(model)
-            # update_num counts finished updates: this step belongs to update update_num + 1.
-            self.load_log.maybe_write(update_num + 1)
-        return out

@@ -37,6 +37,56 @@ def binarise_toy_corpus(folder):
     return str(folder / "bin")
 
 
+def binarise_toy_lm_corpus(folder, seed=0):
+    """A toy language (runs of the alphabet from a random letter), fairseq-preprocess'd; -> folder/bin."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    rng = random.Random(seed)
+    words = "a b c d e f g h i j k l m n o p q r s t".split()
+    for split, n in (("train", 300), ("valid", 30), ("test", 20)):
+        with open(f"{folder}/{split}.txt", "w") as f:
+            for _ in range(n):
+                start = rng.randrange(len(words))
+                f.write(" ".join(words[(start + i) % len(words)] for i in range(rng.randint(3, 12))) + "\n")
+    parser = options.get_preprocessing_parser()
+    preprocess.main(parser.parse_args([
+        "--only-source", "--workers", "1", "--trainpref", f"{folder}/train.txt", "--validpref",
+        f"{folder}/valid.txt", "--testpref", f"{folder}/test.txt", "--destdir", f"{folder}/bin",
+    ]))
+    return str(folder / "bin")
+
+
+# The LM data flags, shared by training and fairseq-eval-lm (one sentence per block, as evaluated).
+LM_DATA = ("--sample-break-mode", "eos", "--tokens-per-sample", "32")
+
+
+def lm_train_argv(data, save_dir, *extra):
+    return [
+        data, "--user-dir", USER_DIR, "--task", "moe_language_modeling", "--arch", "moe_transformer_lm_tiny",
+        "--criterion", "moe_cross_entropy", *LM_DATA,
+        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-layers", "2",
+        "--decoder-attention-heads", "2", "--max-tokens", "400", "--cpu", "--seed", "1",
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-format", "simple",
+        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
+        *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
+    ]
+
+
+def run_eval_lm(data, path, *extra):
+    """fairseq-eval-lm in this process on the valid set; -> its {'loss' (base 2), 'perplexity'}."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli import eval_lm
+
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, [
+        data, "--user-dir", USER_DIR, "--path", str(path), "--task", "language_modeling", *LM_DATA,
+        "--gen-subset", "valid", "--max-tokens", "400", "--cpu", *extra,
+    ])
+    return eval_lm.main(convert_namespace_to_omegaconf(args))
+
+
 def train_argv(data, save_dir, *extra):
     return [
         data, "--user-dir", USER_DIR, "--task", "moe_translation", "--arch", "moe_transformer_tiny",
@@ -79,6 +129,12 @@ def run_train(argv):
 
     cfg = convert_namespace_to_omegaconf(parse_train(argv))
     distributed_utils.call_main(cfg, train.main)
+
+
+def assert_same_params(b, a):
+    assert set(a) == set(b)
+    for name, pa in a.items():
+        torch.testing.assert_close(b[name], pa, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def run_generate(argv):

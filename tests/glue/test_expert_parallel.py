@@ -14,7 +14,7 @@ import torch
 
 from fairseq_moe import expert_checkpoint as shards
 
-from .helpers import USER_DIR, run_generate, run_train, train_argv
+from .helpers import USER_DIR, assert_same_params, run_generate, run_train, train_argv
 
 # SGD, not Adam: the key-projection biases have an exactly-zero gradient (softmax ignores a shift),
 # and Adam would turn float rounding there into full-size steps of random sign.
@@ -85,7 +85,3 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
     assert_same_params(d["model"], torch.load(one / "checkpoint_last.pt", weights_only=True)["model"])
 
 
-def assert_same_params(b, a):
-    assert set(a) == set(b)
-    for name, pa in a.items():
-        torch.testing.assert_close(b[name], pa, rtol=1e-5, atol=1e-6, msg=name)

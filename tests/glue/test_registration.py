@@ -12,4 +12,8 @@ def test_everything_registered():
                  "moe_transformer_wmt_en_de", "moe_transformer_vaswani_wmt_en_de_big"):
         assert ARCH_MODEL_REGISTRY[arch].__name__ == "MoETransformerModel", arch
     assert {"moe_cross_entropy", "moe_label_smoothed_cross_entropy"} <= set(CRITERION_REGISTRY)
-    assert "moe_translation" in TASK_REGISTRY
+    assert "moe_transformer_lm" in MODEL_REGISTRY
+    for arch in ("moe_transformer_lm", "moe_transformer_lm_tiny", "moe_transformer_lm_gpt",
+                 "moe_transformer_lm_gpt2_small"):
+        assert ARCH_MODEL_REGISTRY[arch].__name__ == "MoETransformerLanguageModel", arch
+    assert {"moe_translation", "moe_language_modeling"} <= set(TASK_REGISTRY)
