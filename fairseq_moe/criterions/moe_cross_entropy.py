@@ -23,6 +23,10 @@ class MoECriterionMixin:
         self.moe_cfg = cfg
 
     def forward(self, model, sample, reduce=True):
+        if getattr(getattr(model, "decoder", None), "adaptive_softmax", None) is not None:
+            # The parent criterions read plain logits; fairseq's adaptive_loss has no router losses.
+            raise ValueError("--adaptive-softmax-cutoff cannot be trained with the MoE criterions "
+                             "(they need plain output logits); train the MoE model without adaptive softmax")
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         loss = add_moe_loss(self.moe_cfg, model, loss, sample_size, logging_output)
         return loss, sample_size, logging_output

@@ -28,7 +28,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
-            mask = None  # incremental decoding: the step's tokens have no padding of their own
+            mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
         y, self.last_aux = self.moe(x, None if mask is None else mask.t())
         return y
 

@@ -10,11 +10,11 @@ from argparse import Namespace
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as checkpoint_utils
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase, TransformerModel
 from fairseq.models.transformer import transformer_legacy as dense
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
 from kernels import backend as kernel_backend
@@ -93,7 +93,11 @@ def moe_layer_ids(args, side):
     if freq is None or freq < 0:
         raise ValueError(f"--{side}-moe-freq / --moe-freq must be >= 0, got {freq}")
     layers = getattr(args, f"{side}_layers")
-    return [i for i in range(layers) if freq and (i + 1) % freq == 0]
+    ids = [i for i in range(layers) if freq and (i + 1) % freq == 0]
+    keep = getattr(args, f"{side}_layers_to_keep", None)
+    if keep:  # fairseq builds only these layers (LayerDrop pruning), renumbered 0, 1, ...
+        ids = [new for new, old in enumerate(int(i) for i in keep.split(",")) if old in ids]
+    return ids
 
 
 def build_expert_parallel(args):
@@ -109,8 +113,22 @@ def build_expert_parallel(args):
 
 
 def _wrap(layer, cfg):
-    if cfg.checkpoint_activations:
-        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    """--checkpoint-activations for an MoE layer: torch's non-reentrant checkpoint, not fairseq's
+    checkpoint_wrapper. fairseq's runs the forward under no_grad, so the router losses that the layer
+    leaves for the criterion (last_aux) would carry no gradient and never train the gate. Here they
+    stay in the graph; the backward recomputes the layer (same dropout masks) when it first needs it,
+    and recomputes it whole (no early stop), so every rank issues the same all-to-alls again."""
+    if not cfg.checkpoint_activations:
+        return layer
+    forward = layer.forward
+
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with checkpoint_utils.set_checkpoint_early_stop(False):
+            return checkpoint_utils.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
     return layer
 
 
@@ -149,7 +167,9 @@ def prepare_moe_build(args, sides):
     if not args.moe_encoder_layer_ids and not args.moe_decoder_layer_ids:
         freqs = ", ".join(f"--{side}-moe-freq {getattr(args, f'{side}_moe_freq')}" for side in sides)
         layers = " / ".join(f"{getattr(args, f'{side}_layers')} {side}" for side in sides)
-        raise ValueError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers")
+        keep = "".join(f" (of which --{side}-layers-to-keep {getattr(args, f'{side}_layers_to_keep')})"
+                       for side in sides if getattr(args, f"{side}_layers_to_keep", None))
+        raise ValueError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers{keep}")
     if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
         raise ValueError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
     configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
@@ -170,7 +190,17 @@ def prepare_moe_build(args, sides):
                              "it cannot be combined with --moe-kernel-backend triton")
         logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
                     args.moe_a2a_overlap_degree)
+    if getattr(args, "offload_activations", False):
+        raise ValueError("--offload-activations is not supported with MoE layers (their checkpointing keeps "
+                         "the router losses in the graph and does not offload); use --checkpoint-activations")
     args.moe_ep = build_expert_parallel(args)
+    if args.moe_ep is not None:
+        for side in sides:
+            if getattr(args, f"moe_{side}_layer_ids") and (getattr(args, f"{side}_layerdrop", 0) or 0) > 0:
+                # Each rank draws its own layers to skip: an MoE layer skipped on one rank leaves the
+                # others waiting in its all-to-all forever.
+                raise ValueError(f"--{side}-layerdrop cannot be used with the experts spread over ranks "
+                                 f"(the ranks would skip different MoE layers and wait for each other)")
     check_supported(args, spread=args.moe_ep is not None)
     return args
 

@@ -1,8 +1,8 @@
 """The `moe_transformer_lm` model: fairseq's decoder-only transformer LM with MoE in every N-th layer.
 
 Layer i (0-based) is MoE when (i + 1) % freq == 0, freq being --decoder-moe-freq or else --moe-freq.
-Everything else (embeddings, adaptive input/softmax, positions, norms, the flags) is fairseq's
-transformer_lm, so `fairseq-eval-lm`, `fairseq-generate` and sequence scoring work as with it.
+Everything else (embeddings, adaptive input, positions, norms, the flags) is fairseq's transformer_lm,
+so `fairseq-eval-lm`, `fairseq-generate`/`-interactive` and the hub interface work as with it.
 """
 from contextlib import contextmanager
 
@@ -22,7 +22,8 @@ class MoETransformerLMDecoder(MoETransformerDecoder, TransformerDecoder):
 @contextmanager
 def _lm_decoder(cls):
     """transformer_lm's build_model builds `TransformerDecoder` by name: let it build ours instead, so its
-    embedding and output choices stay fairseq's own rather than a copy of them."""
+    embedding and output choices stay fairseq's own rather than a copy of them. (A dense transformer_lm
+    built by another thread at the same moment would get ours too; fairseq builds models on one.)"""
     dense = dense_lm.TransformerDecoder
     dense_lm.TransformerDecoder = cls
     try:

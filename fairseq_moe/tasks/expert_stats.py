@@ -6,6 +6,7 @@ Validation and generation use the eval capacity (--moe-eval-capacity-token-fract
 the task: MoE layers pick their capacity from model.training, which fairseq sets for them.
 """
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,6 +16,8 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
 
 from ..models.moe_ffn import moe_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +73,14 @@ class MoETaskMixin:
             raise ValueError(f"--task {self.moe_task_name} needs a model with MoE layers; "
                              f"--arch {getattr(cfg, 'arch', '?')} has none")
         return model
+
+    def build_criterion(self, *args, **kwargs):
+        criterion = super().build_criterion(*args, **kwargs)
+        if not hasattr(criterion, "moe_cfg"):  # MoECriterionMixin's
+            logger.warning("--criterion %s adds no router losses (balance loss, z-loss): the gates learn from "
+                           "the task loss alone; moe_cross_entropy and moe_label_smoothed_cross_entropy add "
+                           "them", type(criterion).__name__)
+        return criterion
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)

@@ -75,3 +75,37 @@ def test_validation_uses_eval_capacity(data_bin, tmp_path):
     _, _, valid_log = task.valid_step(sample, model, criterion)
     assert train_log["moe_dropped"] == 0
     assert valid_log["moe_dropped"] > 0
+
+
+@pytest.mark.parametrize("extra", [(), ("--dropout", "0.3", "--activation-dropout", "0.2")])
+def test_checkpoint_activations_keep_the_router_losses_in_the_graph(data_bin, tmp_path, extra):
+    """--checkpoint-activations recomputes the MoE layers in backward: the loss and every gradient,
+    the gates' (which only the router losses and the routing weights reach) included, are those of the
+    run without it. fairseq's own checkpoint_wrapper ran the layer under no_grad and cut the balance
+    and z-losses off the gates."""
+    grads = []
+    for flag in ((), ("--checkpoint-activations",)):
+        task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--moe-z-loss-wt", "0.1",
+                                                        "--moe-gate-loss-wt", "1", *extra, *flag))
+        model.train()
+        sample = first_batch(task, args)
+        torch.manual_seed(5)  # the same dropout masks (the recomputation replays them)
+        loss, _, _ = criterion(model, sample)
+        assert all(b.last_aux.balance_loss.requires_grad for _, b in moe_blocks(model))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, a), (loss_b, b) = grads
+    torch.testing.assert_close(loss_b, loss_a)
+    assert set(a) == set(b) and "encoder.layers.1.fc1.moe.gate.weight" in a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_adaptive_softmax_refused_by_the_moe_criterions(lm_data_bin, tmp_path):
+    from .helpers import lm_train_argv
+
+    task, model, criterion, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--adaptive-softmax-cutoff", "10,20"))
+    task.load_dataset("valid")
+    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_sentences=4, seed=1)
+    with pytest.raises(ValueError, match="--adaptive-softmax-cutoff"):
+        criterion(model, next(iter(itr.next_epoch_itr(shuffle=False))))

@@ -107,3 +107,21 @@ def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
                        (Namespace(ddp_backend="fully_sharded"), "fully_sharded")):
         with pytest.raises(ValueError, match=flag):
             check_supported(args, spread=True)
+
+
+def test_layerdrop_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
+    """Each rank draws its own layers to skip: an MoE layer skipped on one rank would leave the others
+    waiting in its all-to-all. On one process LayerDrop is fine."""
+    from fairseq_moe.models import moe_transformer
+    from fairseq_moe.moe.comm import ExpertParallel
+
+    task, model, _, args = build(train_argv(data_bin, tmp_path, "--encoder-layerdrop", "0.5"))
+    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
+    with pytest.raises(ValueError, match="--encoder-layerdrop"):
+        task.build_model(args)
+
+
+def test_offload_activations_refused(data_bin, tmp_path):
+    with pytest.raises(ValueError, match="--offload-activations"):
+        build(train_argv(data_bin, tmp_path, "--offload-activations"))

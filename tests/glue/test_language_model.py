@@ -142,3 +142,21 @@ def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path):
 
     result = run_eval_lm(lm_data_bin, many / "checkpoint_last-shared.pt")
     assert float(result["loss"]) == pytest.approx(b["extra_state"]["val_loss"], abs=ROUNDED)
+
+
+def test_layers_to_keep_prunes_to_the_right_layers(lm_data_bin, tmp_path):
+    """--decoder-layers-to-keep (LayerDrop pruning) builds the kept layers renumbered 0, 1, ...: the MoE
+    layers among them must stay MoE, so that fairseq's pruned state dict loads into them."""
+    _, full, _, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4"))
+    assert sorted(name for name, _ in moe_blocks(full)) == ["decoder.layers.1.fc1", "decoder.layers.3.fc1"]
+    for keep, moe in (("1,3", ["decoder.layers.0.fc1", "decoder.layers.1.fc1"]), ("0,3", ["decoder.layers.1.fc1"])):
+        _, pruned, _, args = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4",
+                                                 "--decoder-layers-to-keep", keep))
+        assert sorted(name for name, _ in moe_blocks(pruned)) == moe
+        pruned.load_state_dict(full.state_dict(), model_cfg=args)  # strict, after fairseq's pruning
+        kept = [int(i) for i in keep.split(",")]
+        for new, old in enumerate(kept):
+            a, b = pruned.decoder.layers[new].state_dict(), full.decoder.layers[old].state_dict()
+            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="--decoder-layers-to-keep 0,2"):
+        build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4", "--decoder-layers-to-keep", "0,2"))
