@@ -124,14 +124,15 @@ def test_no_moe_layer_names_the_flags(lm_data_bin, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--checkpoint-activations",)])  # recomputed all-to-alls in backward
+def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, extra):
     common = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0",
               "--dropout", "0", "--max-update", "4", "--required-batch-size-multiple", "1", *EVAL_DROPLESS)
     one = tmp_path / "one"
     run_train(lm_train_argv(lm_data_bin, one, *common, "--update-freq", "2"))
     many = tmp_path / "many"
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
-           *lm_train_argv(lm_data_bin, many, *common)]
+           *lm_train_argv(lm_data_bin, many, *common, *extra)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
