@@ -53,8 +53,23 @@ def _optimizer_index(trainer, names):
     return {n: i for i, n in enumerate(order) if n in names}
 
 
+def training_flags(cfg):
+    """fairseq's training config as one flat Namespace of flags (what check_supported reads), from the
+    argparse Namespace or from the sectioned config fairseq-hydra-train and fairseq-train build."""
+    if isinstance(cfg, argparse.Namespace):
+        return cfg
+    flat = {}
+    for section in ("common", "distributed_training", "optimization", "checkpoint", "ema"):
+        if cfg.get(section) is not None:
+            flat.update(cfg[section])
+    if cfg.get("optimizer") is not None:
+        flat["optimizer"] = getattr(cfg.optimizer, "_name", None)  # a DictConfig, or a Namespace (legacy)
+    return argparse.Namespace(**flat)
+
+
 def check_supported(args, spread):
-    """Training set-ups whose state cannot be cut per expert are refused before any update."""
+    """Training set-ups whose state cannot be cut per expert are refused before any update
+    (args: training_flags(cfg))."""
     if not spread:
         return
     if (getattr(args, "fp16", False) or getattr(args, "bf16", False)) and not (
@@ -149,6 +164,12 @@ def install_expert_parallel_checkpointing():
     load_checkpoint = checkpoint_utils.load_checkpoint
     suffix, should_save = Trainer.checkpoint_suffix.fget, Trainer.should_save_checkpoint_on_current_rank.fget
     trainer_save, trainer_load, trainer_state = Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer.state_dict
+    trainer_init = Trainer.__init__
+
+    def init(self, cfg, task, model, criterion, *args, **kwargs):
+        # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
+        check_supported(training_flags(cfg), spread=bool(expert_params(model, spread_only=True)))
+        trainer_init(self, cfg, task, model, criterion, *args, **kwargs)
 
     def spread_of(self):
         if not hasattr(self, "_moe_spread"):
@@ -282,6 +303,7 @@ def install_expert_parallel_checkpointing():
                     stack.enter_context(_swapped(cfg, key, value))
             return load_checkpoint(cfg, trainer, **passthrough_args)
 
+    Trainer.__init__ = init
     Trainer.checkpoint_suffix = property(checkpoint_suffix)
     Trainer.should_save_checkpoint_on_current_rank = property(should_save_on_this_rank)
     Trainer.state_dict = state_dict

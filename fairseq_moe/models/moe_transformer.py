@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from kernels import backend as kernel_backend
 
-from ..checkpoint import check_supported
 from ..moe import GATES, MoEConfig
 from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
@@ -180,9 +179,11 @@ def prepare_moe_build(args, sides):
             "fewer tokens than its fair share at validation and generation, so tokens will be "
             "dropped even with a perfectly balanced router (use -1 for the training capacity)",
             frac, k, args.moe_expert_count)
-    # Where the model will run: a triton backend that cannot run there fails now, named.
-    kernels = kernel_backend.resolve(args.moe_kernel_backend, "cpu" if args.cpu or
-                                     not torch.cuda.is_available() else "cuda")
+    # Where the model will run: a triton backend that cannot run there fails now, named. (Under
+    # fairseq-hydra-train the model's config has no --cpu: then a backend that cannot run fails at
+    # the first forward, before any update.)
+    on_gpu = torch.cuda.is_available() and not getattr(args, "cpu", False)
+    kernels = kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu")
     if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
         # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
         if args.moe_kernel_backend == "triton":
@@ -201,7 +202,6 @@ def prepare_moe_build(args, sides):
                 # others waiting in its all-to-all forever.
                 raise ValueError(f"--{side}-layerdrop cannot be used with the experts spread over ranks "
                                  f"(the ranks would skip different MoE layers and wait for each other)")
-    check_supported(args, spread=args.moe_ep is not None)
     return args
 
 

@@ -125,3 +125,24 @@ def test_layerdrop_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
 def test_offload_activations_refused(data_bin, tmp_path):
     with pytest.raises(ValueError, match="--offload-activations"):
         build(train_argv(data_bin, tmp_path, "--offload-activations"))
+
+
+def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_path, monkeypatch):
+    """The check runs when fairseq builds its Trainer, from the sectioned config that fairseq-train and
+    fairseq-hydra-train both pass (a hydra model config has no optimizer or fp16 flags)."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    from fairseq_moe.checkpoint import training_flags
+    from fairseq_moe.models import moe_transformer
+    from fairseq_moe.moe.comm import ExpertParallel
+
+    task, _, criterion, args = build(train_argv(data_bin, tmp_path, "--optimizer", "adafactor", "--lr", "0.01"))
+    cfg = convert_namespace_to_omegaconf(args)
+    flags = training_flags(cfg)
+    assert (flags.optimizer, flags.fp16, flags.ddp_backend) == ("adafactor", False, args.ddp_backend)
+    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
+    model = task.build_model(cfg.model)
+    with pytest.raises(ValueError, match="--optimizer adafactor"):
+        Trainer(cfg, task, model, criterion)
