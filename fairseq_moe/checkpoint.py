@@ -295,6 +295,12 @@ def install_expert_parallel_checkpointing():
                 overrides = {"finetune_from_model": None, "continue_once": None}
             finetuning = (not resumable and cfg.finetune_from_model is not None
                           and getattr(cfg, "continue_once", None) is None)
+            if finetuning and not os.path.exists(cfg.finetune_from_model):
+                # fairseq checks that the path exists before it asks for it: point it at the set's
+                # shared file, which loads the whole set (like --restore-file NAME.pt does).
+                found = shards.locate(cfg.finetune_from_model)
+                if found is not None and found[0] == "set":
+                    overrides = {"finetune_from_model": shards.shared_path(found[1])}
         # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
         with contextlib.ExitStack() as stack:
             stack.enter_context(_swapped(trainer, "_moe_reset_dataloader", cfg.reset_dataloader or finetuning))

@@ -157,7 +157,9 @@ def moe_train_cmd(a, data_bin, save_dir, user_dir, stats_file):
         "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--moe-expert-count", str(a.experts), "--moe-top-k", str(a.top_k),
         "--moe-expert-ffn-dim", str(a.expert_ffn_dim),
-        "--moe-capacity-factor", "1.25", "--moe-eval-capacity-token-fraction", "-1",
+        # Dropless at validation and generation: a capacity limit there makes a sentence's translation
+        # depend on the other sentences of its batch (and BLEU on --batch-size).
+        "--moe-capacity-factor", "1.25", "--moe-eval-capacity-token-fraction", "0",
         "--moe-gate-loss-wt", "0.01",
         "--moe-stats-file", str(stats_file), "--moe-stats-interval", str(a.log_interval),
     ] + common_train_args(a, save_dir)

@@ -34,10 +34,13 @@ def add_moe_args(parser, encoder=True):
     add("--moe-freq", type=int, metavar="N",
         help="make every N-th layer MoE" + (" on both sides (0: none unless a side's own freq is set)"
                                            if encoder else " (0: none unless --decoder-moe-freq is set)"))
+    # As in fairseq's moe branch, a side's 0 means "as --moe-freq": a dense encoder is
+    # --moe-freq 0 --decoder-moe-freq N.
     if encoder:
         add("--encoder-moe-freq", type=int, metavar="N",
-            help="every N-th encoder layer is MoE (overrides --moe-freq)")
-    add("--decoder-moe-freq", type=int, metavar="N", help="every N-th decoder layer is MoE (overrides --moe-freq)")
+            help="every N-th encoder layer is MoE (0, the default: as --moe-freq)")
+    add("--decoder-moe-freq", type=int, metavar="N",
+        help="every N-th decoder layer is MoE (0, the default: as --moe-freq)")
     add("--moe-expert-ffn-dim", type=int, metavar="F",
         help="hidden size of each expert (default: --encoder/decoder-ffn-embed-dim of the side)")
     add("--moe-top-k", type=int, metavar="K", help="experts per token: 1 is Switch, 2 is GShard (default 2)")
@@ -95,7 +98,7 @@ def moe_layer_ids(args, side):
     ids = [i for i in range(layers) if freq and (i + 1) % freq == 0]
     keep = getattr(args, f"{side}_layers_to_keep", None)
     if keep:  # fairseq builds only these layers (LayerDrop pruning), renumbered 0, 1, ...
-        ids = [new for new, old in enumerate(int(i) for i in keep.split(",")) if old in ids]
+        ids = [new for new, old in enumerate(sorted(int(i) for i in keep.split(","))) if old in ids]
     return ids
 
 
@@ -191,6 +194,12 @@ def prepare_moe_build(args, sides):
                              "it cannot be combined with --moe-kernel-backend triton")
         logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
                     args.moe_a2a_overlap_degree)
+    if (getattr(args, "quant_noise_pq", 0) or 0) > 0:
+        raise ValueError("--quant-noise-pq is not supported with MoE layers: it would reach the dense layers "
+                         "but not the experts, which hold most of the FFN weights")
+    if getattr(args, "scale_fc", False):
+        raise ValueError("--scale-fc (NormFormer's layer norm between fc1 and fc2) is not supported in "
+                         "MoE layers, whose experts compute fc1 and fc2 together")
     if getattr(args, "offload_activations", False):
         raise ValueError("--offload-activations is not supported with MoE layers (their checkpointing keeps "
                          "the router losses in the graph and does not offload); use --checkpoint-activations")
@@ -283,8 +292,9 @@ def moe_transformer_tiny(args):
         setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 3))
         setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
     args.moe_expert_count = getattr(args, "moe_expert_count", 4)
-    # With few experts fairseq's 0.25 would drop tokens at eval by construction (k / E >= 0.25).
-    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", -1.0)
+    # Dropless at eval: with a capacity there, a sentence's output depends on the rest of its batch
+    # (and with few experts fairseq's 0.25 would drop tokens by construction: k / E >= 0.25).
+    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.0)
     moe_transformer(args)
 
 

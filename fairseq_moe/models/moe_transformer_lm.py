@@ -73,6 +73,7 @@ def moe_transformer_lm_tiny(args):
     args.decoder_layers = getattr(args, "decoder_layers", 4)
     args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
     args.moe_expert_count = getattr(args, "moe_expert_count", 4)
-    # With few experts fairseq's 0.25 would drop tokens at eval by construction (k / E >= 0.25).
-    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", -1.0)
+    # Dropless at eval: with a capacity there, a sentence's output depends on the rest of its batch
+    # (and with few experts fairseq's 0.25 would drop tokens by construction: k / E >= 0.25).
+    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.0)
     moe_transformer_lm(args)

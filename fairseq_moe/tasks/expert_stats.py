@@ -85,7 +85,11 @@ class MoETaskMixin:
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         if self.load_log is not None and not ignore_grad:
-            self.load_log.add(model)
-            # update_num counts finished updates: this step belongs to update update_num + 1.
-            self.load_log.maybe_write(update_num + 1)
+            self.load_log.add(model)  # each micro-batch of --update-freq
         return out
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        if self.load_log is not None:
+            # Once per update; update_num counts finished updates, so this one is update_num + 1.
+            self.load_log.maybe_write(update_num + 1)

@@ -239,6 +239,18 @@ def test_fine_tuning_flag_does_not_hide_a_set_to_resume(data_bin, tmp_path):
     torch.testing.assert_close(c["model"], b["model"], rtol=0, atol=0)
     torch.testing.assert_close(c["last_optimizer_state"], b["last_optimizer_state"], rtol=0, atol=0)
 
+    # --finetune-from-model NAME.pt of a set (fairseq checks that the path exists): the same run as
+    # fine-tuning from the single file the set was cut from.
+    assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"), str(tmp_path / "s" / "model.pt"),
+                         "--world-size", "2"]) == 0
+    assert not (tmp_path / "s" / "model.pt").exists()
+    for name, source in (("f", tmp_path / "s" / "model.pt"), ("g", tmp_path / "a" / "checkpoint_last.pt")):
+        run_train(train_argv(data_bin, tmp_path / name, *SGD, "--max-update", "2",
+                             "--finetune-from-model", str(source)))
+    f = torch.load(tmp_path / "f" / "checkpoint_last.pt", weights_only=True)
+    g = torch.load(tmp_path / "g" / "checkpoint_last.pt", weights_only=True)
+    torch.testing.assert_close(f["model"], g["model"], rtol=0, atol=0)
+
 
 @pytest.mark.slow
 def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, tmp_path):
@@ -257,7 +269,9 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     torch.save({"mine": torch.ones(1)}, save / "notes-shared.pt")
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *SGD, "--max-update", "3", "--no-save-optimizer-state",
-                       "--restore-file", str(save / "checkpoint_last.pt"))]
+                       "--restore-file", str(save / "checkpoint_last.pt"),
+                       # the validation at update 3 then beats update 2's, so checkpoint_best is written
+                       "--moe-eval-capacity-token-fraction", "-1")]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

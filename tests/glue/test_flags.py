@@ -43,6 +43,7 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--activation-fn", "tanh"), "--activation-fn"),
     (("--moe-gate-loss-wt", "-0.1"), "--moe-gate-loss-wt"),
     (("--moe-a2a-overlap-degree", "0"), "--moe-a2a-overlap-degree"),
+    (("--quant-noise-pq", "0.1"), "--quant-noise-pq"),  # would skip the experts
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
 ])

@@ -71,7 +71,7 @@ def test_one_expert_equals_the_dense_lm(lm_data_bin, tmp_path):
 def trained(lm_data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("lm_ckpt")
     stats = save / "load.jsonl"
-    run_train(lm_train_argv(lm_data_bin, save, "--max-update", "6", *EVAL_DROPLESS,
+    run_train(lm_train_argv(lm_data_bin, save, "--max-update", "6", *EVAL_DROPLESS, "--update-freq", "2",
                             "--moe-stats-file", str(stats), "--moe-stats-interval", "3"))
     return save, stats
 
@@ -84,7 +84,7 @@ def test_checkpoint_and_expert_load_file(trained):
     assert "decoder.layers.0.fc1.weight" in state["model"]  # layer 0 stays dense (--moe-freq 2)
     assert not hasattr(state["cfg"]["model"], "moe_ep")
     lines = [json.loads(line) for line in stats.read_text().splitlines()]
-    assert [line["update"] for line in lines] == [3, 6]
+    assert [line["update"] for line in lines] == [3, 6]  # one line per interval, whatever --update-freq
     for line in lines:
         assert list(line["layers"]) == ["decoder.layers.1.fc1"]
         assert abs(sum(line["layers"]["decoder.layers.1.fc1"]) - 1) < 1e-9
@@ -116,6 +116,12 @@ def test_moe_lm_task_needs_moe_layers(lm_data_bin, tmp_path):
     argv[argv.index("moe_transformer_lm_tiny")] = "transformer_lm"
     with pytest.raises(ValueError, match="moe_language_modeling"):
         build(argv)
+
+
+def test_scale_fc_refused(lm_data_bin, tmp_path):
+    """NormFormer's layer norm sits between fc1 and fc2, inside what the experts compute."""
+    with pytest.raises(ValueError, match="--scale-fc"):
+        build(lm_train_argv(lm_data_bin, tmp_path, "--scale-fc"))
 
 
 def test_no_moe_layer_names_the_flags(lm_data_bin, tmp_path):
@@ -150,12 +156,13 @@ def test_layers_to_keep_prunes_to_the_right_layers(lm_data_bin, tmp_path):
     layers among them must stay MoE, so that fairseq's pruned state dict loads into them."""
     _, full, _, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4"))
     assert sorted(name for name, _ in moe_blocks(full)) == ["decoder.layers.1.fc1", "decoder.layers.3.fc1"]
-    for keep, moe in (("1,3", ["decoder.layers.0.fc1", "decoder.layers.1.fc1"]), ("0,3", ["decoder.layers.1.fc1"])):
+    for keep, moe in (("1,3", ["decoder.layers.0.fc1", "decoder.layers.1.fc1"]), ("0,3", ["decoder.layers.1.fc1"]),
+                      ("3,0", ["decoder.layers.1.fc1"])):  # fairseq sorts the list
         _, pruned, _, args = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4",
                                                  "--decoder-layers-to-keep", keep))
         assert sorted(name for name, _ in moe_blocks(pruned)) == moe
         pruned.load_state_dict(full.state_dict(), model_cfg=args)  # strict, after fairseq's pruning
-        kept = [int(i) for i in keep.split(",")]
+        kept = sorted(int(i) for i in keep.split(","))
         for new, old in enumerate(kept):
             a, b = pruned.decoder.layers[new].state_dict(), full.decoder.layers[old].state_dict()
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
