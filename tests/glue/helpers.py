@@ -127,7 +127,13 @@ def run_train(argv):
     from fairseq.distributed import utils as distributed_utils
     from fairseq_cli import train
 
+    from fairseq import checkpoint_utils
+
     cfg = convert_namespace_to_omegaconf(parse_train(argv))
+    # fairseq keeps the best validation score on the save function: forget the previous run's, as a
+    # new fairseq-train process would (else whether checkpoint_best is written depends on test order).
+    if hasattr(checkpoint_utils.save_checkpoint, "best"):
+        del checkpoint_utils.save_checkpoint.best
     distributed_utils.call_main(cfg, train.main)
 
 

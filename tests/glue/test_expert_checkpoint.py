@@ -262,17 +262,14 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
 
     from .helpers import run_train, train_argv
 
-    # Validated at the training capacity (-1) in both runs, so that update 3 beats update 2's loss and
-    # checkpoint_best is written anew (as it was with the tiny arch's former default).
-    capacity = ("--moe-eval-capacity-token-fraction", "-1")
-    run_train(train_argv(data_bin, tmp_path / "a", *SGD, *capacity, "--max-update", "2"))
+    run_train(train_argv(data_bin, tmp_path / "a", *SGD, "--max-update", "2"))
     save = tmp_path / "run.pt2" / "save"
     assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"), str(save / "checkpoint_last.pt"),
                          "--world-size", "4"]) == 0
     torch.save({"mine": torch.ones(1)}, save / "notes-shared.pt")
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *SGD, "--max-update", "3", "--no-save-optimizer-state",
-                       "--restore-file", str(save / "checkpoint_last.pt"), *capacity)]
+                       "--restore-file", str(save / "checkpoint_last.pt"))]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
