@@ -62,7 +62,7 @@ def add_moe_args(parser, encoder=True):
     add("--moe-a2a-overlap-degree", type=int, metavar="D",
         help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
-    add("--moe-kernel-backend", choices=["auto", "torch", "triton"],
+    add("--moe-kernel-backend", choices=kernel_backend.BACKENDS,
         help="kernels of the MoE layers: torch (PyTorch ops), triton (fused Triton kernels), "
              "auto = triton on CUDA, torch elsewhere (default auto)")
 

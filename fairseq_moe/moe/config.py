@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, fields
 from fractions import Fraction
 
+from kernels import backend as kernel_backends
+
 # The fairseq flag that sets each field, so that an error names what the user typed.
 FLAGS = {
     "model_dim": "--encoder-embed-dim/--decoder-embed-dim",
@@ -21,8 +23,6 @@ FLAGS = {
     "activation_dropout": "--activation-dropout",
     "kernel_backend": "--moe-kernel-backend",
 }
-
-KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -79,8 +79,8 @@ class MoEConfig:
             bad("activation", f"must be one of {list(ACTIVATIONS)} in an MoE layer")
         if not 0.0 <= self.activation_dropout < 1.0:
             bad("activation_dropout", "must be in [0, 1)")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            bad("kernel_backend", f"must be one of {list(KERNEL_BACKENDS)}")
+        if self.kernel_backend not in kernel_backends.BACKENDS:
+            bad("kernel_backend", f"must be one of {list(kernel_backends.BACKENDS)}")
         return self
 
     def capacity(self, num_tokens, training):
