@@ -8,18 +8,28 @@
    are spread over ranks, every rank writes NAME-rank-R.pt with its experts and their optimizer state,
    and rank 0 writes NAME-shared.pt with the rest (format and checks: expert_checkpoint.py). Such a set
    resumes at any world size, and fairseq-generate reads it with --path NAME-shared.pt.
+3. Every checkpoint the plugin loads is read with torch.load(weights_only=True) passed explicitly, and
+   its config is checked for strings that fairseq would eval() (safe_eval.py). A name resolves to one
+   checkpoint by fixed rules (expert_checkpoint.resolve), logged; a set with a file missing, empty or
+   from another save is an error naming that file, never a fresh start.
+4. A save removes what a killed save left behind in its folder: fairseq's temporaries of checkpoint
+   files, and sets whose deletion was cut short (their rank-0 file is gone, so they cannot load).
 """
 import argparse
 import contextlib
 import glob
 import logging
 import os
+import re
+import shutil
 import time
 from itertools import chain
 
 import torch
 
+from .errors import CheckpointError, FlagError, MissingCheckpointError
 from . import expert_checkpoint as shards
+from . import safe_eval
 
 SAFE_GLOBALS = [argparse.Namespace]
 logger = logging.getLogger(__name__)
@@ -74,18 +84,18 @@ def check_supported(args, spread):
         return
     if (getattr(args, "fp16", False) or getattr(args, "bf16", False)) and not (
             getattr(args, "memory_efficient_fp16", False) or getattr(args, "fp16_no_flatten_grads", False)):
-        raise ValueError("--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
+        raise FlagError("--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
                          "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert")
     if getattr(args, "store_ema", False):
-        raise ValueError("--store-ema is not supported with experts spread over ranks: the EMA copy would "
+        raise FlagError("--store-ema is not supported with experts spread over ranks: the EMA copy would "
                          "hold only this rank's experts")
     if getattr(args, "ddp_backend", None) == "fully_sharded":
-        raise ValueError("--ddp-backend fully_sharded is not supported with experts spread over ranks")
+        raise FlagError("--ddp-backend fully_sharded is not supported with experts spread over ranks")
     if getattr(args, "zero_sharding", "none") != "none":
-        raise ValueError("--zero-sharding is not supported with experts spread over ranks: the optimizer "
+        raise FlagError("--zero-sharding is not supported with experts spread over ranks: the optimizer "
                          "state would be gathered on rank 0, which holds only its own experts")
     if getattr(args, "optimizer", None) in ("adafactor", "composite"):
-        raise ValueError(f"--optimizer {args.optimizer} is not supported with experts spread over ranks: "
+        raise FlagError(f"--optimizer {args.optimizer} is not supported with experts spread over ranks: "
                          f"its state cannot be saved per expert (adafactor's statistics of the expert "
                          f"biases mix the experts); use adam, sgd, ...")
 
@@ -105,8 +115,10 @@ def _swapped(obj, name, value):
 
 
 class _CopySharedToo:
-    """fairseq's PathManager during a save: copying NAME-rank-R.pt to another name copies the set's
-    shared file along (rank 0), so checkpoint_last, checkpoint_best, ... are whole sets."""
+    """fairseq's PathManager during a save of an MoE model. A copy (checkpoint_last, checkpoint_best, ...
+    from the save's first file) is written whole or not at all: to NAME.tmp, then renamed, so a kill
+    mid-copy leaves the previous file intact. With the experts spread, copying NAME-rank-R.pt copies the
+    set's shared file along (rank 0), so every copy is a whole set."""
 
     def __init__(self, path_manager, master, written):
         self._pm, self._master, self.written = path_manager, master, written
@@ -115,12 +127,51 @@ class _CopySharedToo:
         return getattr(self._pm, name)
 
     def copy(self, src, dst, overwrite=False):
-        ok = self._pm.copy(src, dst, overwrite=overwrite)
+        ok = _atomic_copy(src, dst, overwrite)
         if self._master and ok:
-            ok = self._pm.copy(shards.shared_path(shards.set_base(src)),
-                               shards.shared_path(shards.set_base(dst)), overwrite=overwrite)
+            ok = _atomic_copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)),
+                              overwrite)
             self.written.append(shards.set_base(dst))
         return ok
+
+
+def _atomic_copy(src, dst, overwrite):
+    if os.path.exists(dst) and not overwrite:
+        return False
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
+    return True
+
+
+def _checkpoint_name(suffix, tail):
+    """The names fairseq gives checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
+    checkpoint_best, checkpoint.best_loss_3.21), with the run's --checkpoint-suffix, then tail."""
+    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "") + tail + "$")
+
+
+def _remove_stray_temporaries(save_dir, suffix):
+    """A killed save leaves NAME.pt.tmp (fairseq writes there, then renames): remove those of this
+    run's checkpoint names. Called by rank 0 before any rank of the save writes."""
+    pattern = _checkpoint_name(suffix, r"(-shared|-rank-\d+)?\.pt\.tmp")
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
+        if pattern.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(save_dir, name))
+                logger.info("removed %s, left by a save that did not finish", name)
+
+
+def _remove_half_deleted_sets(save_dir, suffix, written):
+    """Sets of this run's checkpoint names whose rank-0 file is gone but other files remain: a
+    deletion (--keep-*) cut short by a kill. Without rank 0 they cannot load; remove the rest. Rank 0
+    writes its file before the shared one and deletes it first, so a set being written is never one."""
+    pattern = _checkpoint_name(suffix, r"(-shared|-rank-\d+)\.pt")
+    bases = {shards.set_base(os.path.join(save_dir, n)) for n in os.listdir(save_dir) if pattern.match(n)}
+    for base in bases - set(written):
+        if not os.path.exists(shards.rank_path(base, 0)):
+            _remove_ranks(base, 0)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(shards.shared_path(base))
+            logger.info("removed what was left of %s-*.pt (its deletion did not finish)", base)
 
 
 def _rank0_files(save_dir):
@@ -152,6 +203,75 @@ def _remove_ranks(base, first):
                 os.remove(path)
 
 
+def load_checkpoint_file(path, arg_overrides=None):
+    """fairseq's load_checkpoint_to_cpu for one local file, made safe: torch.load with weights_only=True
+    passed explicitly, errors that name the file, and no config string that fairseq would eval() unless
+    it is a literal. Then what fairseq does: flag overrides, the config as OmegaConf, old formats upgraded."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.utils import overwrite_args_by_name
+    from omegaconf import OmegaConf
+
+    state = shards.read_file(path)
+    safe_eval.check_config(state, path)
+    if state.get("args") is not None and arg_overrides is not None:
+        for key, value in arg_overrides.items():
+            setattr(state["args"], key, value)
+    if state.get("cfg") is not None:
+        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+        if arg_overrides is not None:
+            overwrite_args_by_name(state["cfg"], arg_overrides)
+    return checkpoint_utils._upgrade_state_dict(state)
+
+
+def check_expert_layout(saved, model, path):
+    """saved, model: {expert parameter name: E}. A checkpoint of other MoE layers or expert counts is
+    refused here, with the flags to change, before any rank cuts out its experts."""
+    if not saved or not model or saved == model:
+        return
+    for name in sorted(set(saved) & set(model)):
+        if saved[name] != model[name]:
+            raise CheckpointError(f"{path} was saved with {saved[name]} experts in {name.rsplit('.', 2)[0]}; this "
+                                  f"model has {model[name]} (--moe-expert-count {model[name]}). Resume with "
+                                  f"--moe-expert-count {saved[name]}, or train into another --save-dir")
+    layers = sorted({n.rsplit(".", 2)[0] for n in saved})
+    mine = sorted({n.rsplit(".", 2)[0] for n in model})
+    raise CheckpointError(f"{path} has MoE layers {layers}; this model has {mine} (--moe-freq, "
+                          f"--encoder/decoder-moe-freq and the layer counts must match the saved run's)")
+
+
+def load_found(found, arg_overrides=None, want=None, experts=None):
+    """The state of what shards.resolve() found: a single file, or a set assembled (want: the expert
+    ranges to read, else all). experts: the model's {name: E}, checked against the saved layout."""
+    kind, target, _ = found
+    if kind == "file":
+        state = load_checkpoint_file(target, arg_overrides)
+        info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+        check_expert_layout(info.get("experts"), experts, target)
+        return state
+    shared = shards.shared_path(target)
+    if not os.path.exists(shared):
+        shards.read_set(target)  # names the missing file and what it is for
+    # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file, then
+    # put the experts in.
+    state = load_checkpoint_file(shared, arg_overrides)
+    check_expert_layout((state["extra_state"].get("moe_checkpoint") or {}).get("experts"), experts, shared)
+    return shards.assemble(target, want=want, shared=state)
+
+
+def requested_name(trainer, filename):
+    """(the checkpoint name the user asked for, whether it is the default checkpoint_last) for the path
+    fairseq hands Trainer.load_checkpoint. fairseq adds each rank's suffix to --restore-file; the name
+    without it is what resolves (a bare NAME.pt: the later save of set and file; NAME-shared.pt: the set)."""
+    ckpt = trainer.cfg.checkpoint
+    user_suffix = ckpt.checkpoint_suffix or ""
+    if ckpt.restore_file == "checkpoint_last.pt":
+        if filename == os.path.join(ckpt.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt"):
+            return os.path.join(ckpt.save_dir, f"checkpoint_last{user_suffix}.pt"), True
+        return filename, False  # --finetune-from-model / --continue-once, as given
+    name = ckpt.restore_file
+    return (name[:-3] + user_suffix + ".pt" if name.endswith(".pt") else name), False
+
+
 def install_expert_parallel_checkpointing():
     """Patch fairseq's trainer and checkpoint_utils for sharded expert checkpoints (idempotent)."""
     from fairseq import checkpoint_utils, trainer as trainer_module
@@ -160,7 +280,7 @@ def install_expert_parallel_checkpointing():
     Trainer = trainer_module.Trainer
     if getattr(Trainer, "moe_shards", False):
         return
-    save_checkpoint, load_to_cpu = checkpoint_utils.save_checkpoint, checkpoint_utils.load_checkpoint_to_cpu
+    save_checkpoint = checkpoint_utils.save_checkpoint
     load_checkpoint = checkpoint_utils.load_checkpoint
     suffix, should_save = Trainer.checkpoint_suffix.fget, Trainer.should_save_checkpoint_on_current_rank.fget
     trainer_save, trainer_load, trainer_state = Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer.state_dict
@@ -220,54 +340,55 @@ def install_expert_parallel_checkpointing():
         return os.path.abspath(filename)
 
     def save_checkpoint_sets(cfg, trainer, epoch_itr, val_loss):
-        if not spread_of(trainer) or cfg.no_save:
+        if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
             return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
-        # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
-        trainer._moe_save_id = dist_utils.broadcast_object(
-            shards.new_save_id(), src_rank=0, group=trainer.data_parallel_process_group)
-        master = trainer.is_data_parallel_master
+        spread, master = bool(spread_of(trainer)), trainer.is_data_parallel_master
+        if master:
+            _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
+        if spread:
+            os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
+            # One id for all files of this save, drawn on rank 0: files of two saves never pass for a
+            # set. (It also orders the clean-up above before any rank's write.)
+            trainer._moe_save_id = dist_utils.broadcast_object(
+                shards.new_save_id(), src_rank=0, group=trainer.data_parallel_process_group)
         before, trainer._moe_written = _rank0_files(cfg.save_dir), []
-        copier = _CopySharedToo(checkpoint_utils.PathManager, master, trainer._moe_written)
+        copier = _CopySharedToo(checkpoint_utils.PathManager, master and spread, trainer._moe_written)
         with _swapped(checkpoint_utils, "PathManager", copier):
             out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        if master:
+        if master and spread:
             _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, trainer._moe_written)
+            _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix, trainer._moe_written)
         return out
 
-    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False, want=None):
-        """fairseq's loader, for a single file or a set (want: the expert ranges to read, else all)."""
-        found = shards.locate(path)
-        if not found or found[0] == "file":
-            return load_to_cpu(found[1] if found else path, arg_overrides, load_on_all_ranks)
-        base = found[1]
-        # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file,
-        # then put the experts in.
-        state = load_to_cpu(shards.shared_path(base), arg_overrides, load_on_all_ranks)
-        return shards.assemble(base, want=want, shared=state)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        """fairseq's loader, safe, for a single file or a set (fairseq-generate, -interactive, -eval-lm,
+        the hub, --finetune-from-model)."""
+        found = shards.resolve(path)
+        if found is None:
+            raise MissingCheckpointError(f"{path}: no such checkpoint (nor the set {shards.set_base(path)}-shared.pt "
+                                         f"+ rank files)")
+        logger.info("%s: loading %s", path, shards.describe(found))
+        return load_found(found, arg_overrides)
 
     def load_sharded(self, filename, *args, **kwargs):
-        found = shards.locate(filename)
-        explicit = self.cfg.checkpoint.restore_file
-        if found is None and explicit != "checkpoint_last.pt":
-            # fairseq puts the rank suffix into the path with str.replace(".pt", ...), which also
-            # hits a ".pt" inside a folder name: resolve the file the user named. One that does
-            # not exist is an error, not a silent fresh start.
-            if explicit.endswith(".pt"):  # with the user's --checkpoint-suffix, as fairseq means it
-                explicit = explicit[:-3] + (self.cfg.checkpoint.checkpoint_suffix or "") + ".pt"
-            found = shards.locate(explicit)
-            if found is None:
-                raise FileNotFoundError(f"--restore-file {explicit}: no such checkpoint")
-        base = found[1] if found and found[0] == "set" else None
-        if found:  # fairseq checks that the file it is given exists
-            filename = shards.shared_path(base) if base else found[1]
+        name, default = requested_name(self, filename)
+        found = shards.resolve(name)
+        if found is None:
+            if default:  # a first launch: fairseq starts afresh
+                return trainer_load(self, filename, *args, **kwargs)
+            raise MissingCheckpointError(f"--restore-file {name}: no such checkpoint")
+        if found[0] == "set":  # a set with a file missing or damaged is an error, never a fresh start
+            shards.read_set(found[1], shared=shards.read_file(shards.shared_path(found[1]), mmap=True)
+                            if os.path.exists(shards.shared_path(found[1])) else None)
+        logger.info("%s: loading %s", name, shards.describe(found))
         spread = spread_of(self)
         ranges = {n: (f, f + c) for n, (f, c, _) in spread.items()}
+        experts = {n: E for n, (_, _, E) in expert_params(self.get_model()).items()}
         reset_dataloader = getattr(self, "_moe_reset_dataloader", self.cfg.checkpoint.reset_dataloader)
 
         def read(path, arg_overrides=None, load_on_all_ranks=False):
             """This rank's state: its experts only, the data position rescaled to this world size."""
-            state = load_checkpoint_to_cpu(path, arg_overrides, load_on_all_ranks, want=ranges)
+            state = load_found(found, arg_overrides, want=ranges, experts=experts)
             if spread:
                 state = shards.cut_for_rank(state, spread)
             if not reset_dataloader:
@@ -276,9 +397,10 @@ def install_expert_parallel_checkpointing():
 
         # With spread experts every rank reads its own (fairseq would broadcast rank 0's to all).
         ckpt = self.cfg.checkpoint
+        path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # fairseq checks it exists
         with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read), \
                 _swapped(ckpt, "load_checkpoint_on_all_dp_ranks", bool(spread) or ckpt.load_checkpoint_on_all_dp_ranks):
-            return trainer_load(self, filename, *args, **kwargs)
+            return trainer_load(self, path, *args, **kwargs)
 
     def load_checkpoint_resolved(cfg, trainer, **passthrough_args):
         """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
@@ -286,7 +408,7 @@ def install_expert_parallel_checkpointing():
         --finetune-from-model / --continue-once over it instead of resuming."""
         overrides, finetuning = {}, False
         if cfg.restore_file == "checkpoint_last.pt":
-            last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+            last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
             resumable = shards.locate(last) is not None  # the same answer on every rank
             resets = (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters
                       or cfg.reset_dataloader)

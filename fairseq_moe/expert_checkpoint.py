@@ -19,12 +19,14 @@ reshard/consolidate commands.
 """
 import glob
 import os
+import pickle
 import re
 import time
 import uuid
 
 import torch
 
+from .errors import CheckpointError, MissingCheckpointError
 from .moe.comm import local_experts
 
 FORMAT = 1
@@ -48,37 +50,82 @@ def rank_path(base, rank):
 
 
 def locate(path):
-    """What a checkpoint path asks for: ("set", NAME), ("file", path of a single file), or None.
+    """("set", NAME), ("file", path) or None: resolve() without the reason."""
+    found = resolve(path)
+    return found[:2] if found else None
 
-    NAME.pt, NAME-shared.pt and NAME-rank-R.pt all name the set NAME when its files exist (fairseq
-    asks every rank whose experts are spread for NAME-rank-R.pt, whatever the world size that saved).
-    They name the single file NAME.pt when that exists instead (a consolidated checkpoint, or one of
-    a single process). When both exist, as after training in one folder at one and then at several
-    ranks, the one saved later wins, so no run resumes from older weights.
+
+def resolve(path):
+    """What a checkpoint path asks for: ("set", NAME, why), ("file", path, why), or None.
+
+    A file named explicitly is the file loaded: NAME-shared.pt and NAME-rank-R.pt name the set NAME
+    (or the single file of that name, when it is one). The bare NAME.pt names the set NAME or the single
+    file NAME.pt, whichever exists; when both do (training in one folder at one and then at several
+    ranks), the one saved later wins, so no run resumes from older weights. `why` says which was taken
+    and why, for the log.
     """
     m = _SHARD.match(path)
     if m is None:
-        return ("file", path) if os.path.exists(path) else None
-    if m.group(2) and os.path.exists(path) and not _is_set_file(path):
-        return ("file", path)  # a single file that merely has a set-like name
-    base, plain = m.group("base"), f"{m.group('base')}.pt"
-    has_set = os.path.exists(shared_path(base)) or bool(glob.glob(glob.escape(base) + "-rank-*.pt"))
-    has_file = os.path.exists(plain)
+        return ("file", path, "named") if os.path.exists(path) else None
+    base = m.group("base")
+    if m.group(2):  # NAME-shared.pt / NAME-rank-R.pt
+        if os.path.exists(path) and not _is_set_file(path):
+            return ("file", path, "a single file (not part of a set)")
+        return ("set", base, "named explicitly") if set_files(base) else None
+    plain = f"{base}.pt"
+    has_set, has_file = bool(set_files(base)), os.path.exists(plain)
     if has_set and has_file:
-        return ("set", base) if _later_or_same(shared_path(base), plain) else ("file", plain)
+        if _later_or_same(base, plain):
+            return ("set", base, f"saved later than the single file {plain}")
+        return ("file", plain, f"saved later than the set {shared_path(base)}")
     if has_set:
-        return ("set", base)
-    return ("file", plain) if has_file else None
+        return ("set", base, "the only checkpoint of that name")
+    return ("file", plain, "the only checkpoint of that name") if has_file else None
+
+
+def set_files(base):
+    """The files of the set NAME that exist: NAME-shared.pt and NAME-rank-R.pt (sorted)."""
+    ranks = [p for p in glob.glob(glob.escape(base) + "-rank-*.pt")
+             if (m := _SHARD.match(p)) and m.group("base") == base and m.group("rank") is not None]
+    shared = [shared_path(base)] if os.path.exists(shared_path(base)) else []
+    return shared + sorted(ranks)
+
+
+def describe(found):
+    """One line for the log: what locate() chose."""
+    kind, target, why = found
+    if kind == "file":
+        return f"the single file {target} ({why})"
+    return f"the expert-parallel set {shared_path(target)} + rank files ({why})"
+
+
+def read_file(path, mmap=False):
+    """torch.load(path, weights_only=True), always explicitly (so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+    cannot turn pickle code execution back on), with every failure named by the file."""
+    if not os.path.exists(path):
+        raise MissingCheckpointError(f"{path}: no such checkpoint file")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): a save that did not finish?")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: [^\n]*|Unsupported operand[^\n]*", str(e))
+        raise CheckpointError(f"{path} is refused by safe loading (torch.load weights_only=True): it holds "
+                              f"objects that are not tensors or plain data"
+                              + (f" ({refused.group(0).strip()})" if refused else "")) from None
+    except Exception as e:  # truncated, or not a torch file at all
+        raise CheckpointError(f"{path} cannot be read as a checkpoint (truncated, or not a checkpoint "
+                              f"file?): {type(e).__name__}: {e}") from None
 
 
 def _peek(path):
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return read_file(path, mmap=True)
 
 
 def _is_set_file(path):
     try:
         state = _peek(path)
-    except Exception:
+    except CheckpointError:
         return True  # unreadable: let loading the set name it
     if "moe_shard" in state:
         return True
@@ -87,16 +134,24 @@ def _is_set_file(path):
     return "save_id" in info and not any(name in state.get("model", {}) for name in info.get("experts", ()))
 
 
-def _later_or_same(shared, plain):
-    """Was the set of this shared file saved no earlier than the single file?
+def _later_or_same(base, plain):
+    """Was the set NAME saved no earlier than the single file NAME.pt?
 
-    By the save times the manifests carry; not by update numbers, which restart with --reset-optimizer
-    or a fine-tuning run. Files that carry no save time (written before fairseq-moe recorded it) are
-    compared by update number."""
-    if not os.path.exists(shared):
-        return True  # rank files without their shared file: let loading name what is missing
-    a, b = _peek(shared), _peek(plain)
-    ia = a.get("extra_state", {}).get("moe_checkpoint") or {}
+    By the save times the manifests carry (the shared file's, or a rank file's when the shared file is
+    missing); not by update numbers, which restart with --reset-optimizer or a fine-tuning run. Files
+    that carry no save time (written before fairseq-moe recorded it) are compared by update number."""
+    ia = None
+    for path in set_files(base):
+        try:
+            state = _peek(path)
+        except CheckpointError:
+            continue
+        ia = state.get("moe_shard") or state.get("extra_state", {}).get("moe_checkpoint")
+        if ia:
+            break
+    if not ia:
+        return True  # no readable file of the set: let loading it name what is wrong
+    b = _peek(plain)
     ib = b.get("extra_state", {}).get("moe_checkpoint") or {}
     if "saved_at" in ia and "saved_at" in ib:
         return ia["saved_at"] >= ib["saved_at"]
@@ -136,12 +191,10 @@ def split(state, spread, rank, info):
 
 
 def _load(path, what, mmap=True):
+    """read_file, with what the file is for in the error when it is missing."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing: {what}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # a truncated or foreign file: name it
-        raise ValueError(f"{path} cannot be read as a checkpoint shard ({e})") from e
+        raise MissingCheckpointError(f"{path} is missing: {what}")
+    return read_file(path, mmap=mmap)
 
 
 def read_set(base, shared=None):
@@ -158,9 +211,9 @@ def read_set(base, shared=None):
                        mmap=False)
     info = shared.get("extra_state", {}).get("moe_checkpoint")
     if not info or "save_id" not in info:
-        raise ValueError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
+        raise CheckpointError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
     if info.get("format") != FORMAT:
-        raise ValueError(f"{shared_file} is in checkpoint format {info.get('format')}; this fairseq-moe "
+        raise CheckpointError(f"{shared_file} is in checkpoint format {info.get('format')}; this fairseq-moe "
                          f"reads format {FORMAT}")
     W = info["world_size"]
     shards = []
@@ -170,13 +223,13 @@ def read_set(base, shared=None):
         mine = shard.get("moe_shard", {})
         for key in ("save_id", "num_updates", "world_size", "experts"):
             if mine.get(key) != info[key]:
-                raise ValueError(
+                raise CheckpointError(
                     f"{path} does not belong with {shared_file}: its {key} is {mine.get(key)!r}, the shared "
                     f"file's is {info[key]!r}. The files come from different saves (a save that did not "
                     f"finish?); resume from another checkpoint.")
         for name, (first, count) in mine["slices"].items():
             if (first, count) != local_experts(info["experts"][name], W, r):
-                raise ValueError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what rank "
+                raise CheckpointError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what rank "
                                  f"{r} of {W} holds")
         shards.append(shard)
     return shared, shards

@@ -12,6 +12,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
+from ..errors import FlagError
 from .moe_loss import MoELossConfig, add_moe_loss, check_moe_loss_config, reduce_moe_metrics
 
 
@@ -25,7 +26,7 @@ class MoECriterionMixin:
     def forward(self, model, sample, reduce=True):
         if getattr(getattr(model, "decoder", None), "adaptive_softmax", None) is not None:
             # The parent criterions read plain logits; fairseq's adaptive_loss has no router losses.
-            raise ValueError("--adaptive-softmax-cutoff cannot be trained with the MoE criterions "
+            raise FlagError("--adaptive-softmax-cutoff cannot be trained with the MoE criterions "
                              "(they need plain output logits); train the MoE model without adaptive softmax")
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         loss = add_moe_loss(self.moe_cfg, model, loss, sample_size, logging_output)

@@ -9,6 +9,7 @@ import torch
 from fairseq import metrics
 from fairseq.dataclass import ChoiceEnum
 
+from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 
 METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "moe_entropy")
@@ -30,7 +31,7 @@ def check_moe_loss_config(cfg):
     for name in ("moe_gate_loss_wt", "moe_z_loss_wt"):
         value = getattr(cfg, name)
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+            raise FlagError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
 
 def add_moe_loss(cfg, model, loss, sample_size, logging_output):

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from kernels import backend as kernel_backend
 
+from ..errors import FlagError
 from ..moe import GATES, MoEConfig
 from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
@@ -72,9 +73,12 @@ def moe_config(args, side):
     top_k = args.moe_top_k
     if args.moe_top1_expert:
         if top_k not in (None, 1):
-            raise ValueError(f"--moe-top1-expert conflicts with --moe-top-k {top_k}")
+            raise FlagError(f"--moe-top1-expert conflicts with --moe-top-k {top_k}")
         top_k = 1
-    return MoEConfig(
+    if args.moe_expert_ffn_dim is not None and args.moe_expert_ffn_dim < 1:
+        raise FlagError(f"--moe-expert-ffn-dim must be >= 1 (leave it out for the side's "
+                        f"--{side}-ffn-embed-dim), got {args.moe_expert_ffn_dim}")
+    cfg = MoEConfig(
         model_dim=getattr(args, f"{side}_embed_dim"),
         ffn_dim=args.moe_expert_ffn_dim or getattr(args, f"{side}_ffn_embed_dim"),
         num_experts=args.moe_expert_count,
@@ -86,14 +90,18 @@ def moe_config(args, side):
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
         kernel_backend=args.moe_kernel_backend,
-    ).validate()
+    )
+    try:
+        return cfg.validate()
+    except ValueError as e:  # the layer's own check names the flag; to the CLI it is a flag error
+        raise FlagError(str(e)) from None
 
 
 def moe_layer_ids(args, side):
     """Indices of the MoE layers of a side."""
     freq = getattr(args, f"{side}_moe_freq") or args.moe_freq
     if freq is None or freq < 0:
-        raise ValueError(f"--{side}-moe-freq / --moe-freq must be >= 0, got {freq}")
+        raise FlagError(f"--{side}-moe-freq / --moe-freq must be >= 0, got {freq}")
     layers = getattr(args, f"{side}_layers")
     ids = [i for i in range(layers) if freq and (i + 1) % freq == 0]
     keep = getattr(args, f"{side}_layers_to_keep", None)
@@ -107,7 +115,10 @@ def build_expert_parallel(args):
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     local = args.moe_a2a_local_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    ep = expert_parallel(args.moe_expert_count, local_size=local, overlap_degree=args.moe_a2a_overlap_degree)
+    try:
+        ep = expert_parallel(args.moe_expert_count, local_size=local, overlap_degree=args.moe_a2a_overlap_degree)
+    except ValueError as e:  # names the flags (expert count, world size, all-to-all layout)
+        raise FlagError(str(e)) from None
     logger.info("expert parallel: %d experts per rank on %d ranks, %d replica(s), %s all-to-all",
                 ep.num_local_experts, ep.size, ep.replicas,
                 f"hierarchical {ep.size // ep.local_size}x{ep.local_size}" if ep.local_size > 1 else "flat")
@@ -171,9 +182,9 @@ def prepare_moe_build(args, sides):
         layers = " / ".join(f"{getattr(args, f'{side}_layers')} {side}" for side in sides)
         keep = "".join(f" (of which --{side}-layers-to-keep {getattr(args, f'{side}_layers_to_keep')})"
                        for side in sides if getattr(args, f"{side}_layers_to_keep", None))
-        raise ValueError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers{keep}")
+        raise FlagError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers{keep}")
     if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
-        raise ValueError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
+        raise FlagError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
     configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
     frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
     if 0 < frac < k / args.moe_expert_count:
@@ -190,18 +201,18 @@ def prepare_moe_build(args, sides):
     if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
         # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
         if args.moe_kernel_backend == "triton":
-            raise ValueError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
+            raise FlagError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
                              "it cannot be combined with --moe-kernel-backend triton")
         logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
                     args.moe_a2a_overlap_degree)
     if (getattr(args, "quant_noise_pq", 0) or 0) > 0:
-        raise ValueError("--quant-noise-pq is not supported with MoE layers: it would reach the dense layers "
+        raise FlagError("--quant-noise-pq is not supported with MoE layers: it would reach the dense layers "
                          "but not the experts, which hold most of the FFN weights")
     if getattr(args, "scale_fc", False):
-        raise ValueError("--scale-fc (NormFormer's layer norm between fc1 and fc2) is not supported in "
+        raise FlagError("--scale-fc (NormFormer's layer norm between fc1 and fc2) is not supported in "
                          "MoE layers, whose experts compute fc1 and fc2 together")
     if getattr(args, "offload_activations", False):
-        raise ValueError("--offload-activations is not supported with MoE layers (their checkpointing keeps "
+        raise FlagError("--offload-activations is not supported with MoE layers (their checkpointing keeps "
                          "the router losses in the graph and does not offload); use --checkpoint-activations")
     args.moe_ep = build_expert_parallel(args)
     if args.moe_ep is not None:
@@ -209,7 +220,7 @@ def prepare_moe_build(args, sides):
             if getattr(args, f"moe_{side}_layer_ids") and (getattr(args, f"{side}_layerdrop", 0) or 0) > 0:
                 # Each rank draws its own layers to skip: an MoE layer skipped on one rank leaves the
                 # others waiting in its all-to-all forever.
-                raise ValueError(f"--{side}-layerdrop cannot be used with the experts spread over ranks "
+                raise FlagError(f"--{side}-layerdrop cannot be used with the experts spread over ranks "
                                  f"(the ranks would skip different MoE layers and wait for each other)")
     return args
 

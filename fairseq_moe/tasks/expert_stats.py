@@ -15,6 +15,7 @@ import torch
 from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
 
+from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,16 @@ class ExpertLoadLog:
 
     def __init__(self, path, interval):
         if interval < 1:
-            raise ValueError(f"--moe-stats-interval must be >= 1, got {interval}")
+            raise FlagError(f"--moe-stats-interval must be >= 1, got {interval}")
+        # Checked now: the first line is written only after --moe-stats-interval updates.
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"--moe-stats-file {path}: folder {folder} does not exist")
+            raise FlagError(f"--moe-stats-file {path}: folder {folder} does not exist")
+        if os.path.isdir(path):
+            raise FlagError(f"--moe-stats-file {path} is a folder; name a file (lines are appended to it)")
+        if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+            raise FlagError(f"--moe-stats-file {path}: "
+                            + ("the file is not writable" if os.path.exists(path) else f"{folder} is not writable"))
         self.path, self.interval = path, interval
         self.sums, self.tokens = {}, {}
 
@@ -64,13 +71,15 @@ class MoETaskMixin:
     def init_moe_task(self, cfg):
         self.load_log = None
         # Rank 0 writes the file (its own counts; data-parallel ranks see similar loads).
-        if cfg.moe_stats_file and dist_utils.get_global_rank() == 0:
-            self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
+        # Every rank checks the flags, so that all stop together on a bad one.
+        if cfg.moe_stats_file:
+            log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
+            self.load_log = log if dist_utils.get_global_rank() == 0 else None
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
         if not moe_blocks(model):
-            raise ValueError(f"--task {self.moe_task_name} needs a model with MoE layers; "
+            raise FlagError(f"--task {self.moe_task_name} needs a model with MoE layers; "
                              f"--arch {getattr(cfg, 'arch', '?')} has none")
         return model
 

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 from .expert_stats import ExpertStatsConfig, MoETaskMixin
 
@@ -27,7 +28,7 @@ class MoETranslationTask(MoETaskMixin, TranslationTask):
         if self.cfg.eval_bleu and any(block.moe.ep is not None for _, block in moe_blocks(model)):
             # Every MoE forward is then a collective, and beam search stops after a different
             # number of steps on each rank: the ranks would wait for each other forever.
-            raise ValueError(
+            raise FlagError(
                 "--eval-bleu cannot run with the experts spread over several ranks (beam search "
                 "takes a different number of steps on each rank, and every MoE layer is a "
                 "collective); validate the loss here and score BLEU with fairseq-generate"

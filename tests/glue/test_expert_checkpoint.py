@@ -154,11 +154,13 @@ def test_reshard_and_consolidate_commands(tmp_path, capsys):
     assert "nothing.pt: no such checkpoint" in capsys.readouterr().err
 
 
-def test_single_file_found_behind_the_rank_suffix(tmp_path):
-    """fairseq asks each rank for NAME-rank-R.pt; a single-file checkpoint NAME.pt is what it means."""
+def test_a_set_file_name_never_means_a_single_file(tmp_path):
+    """NAME-rank-R.pt / NAME-shared.pt name the set NAME; with only the single file NAME.pt there, they
+    name nothing (the trainer maps fairseq's per-rank NAME-rank-R.pt back to the user's NAME.pt)."""
     torch.save(full_state(updates=5), tmp_path / "ckpt.pt")
-    assert shards.locate(str(tmp_path / "ckpt-rank-1.pt")) == ("file", str(tmp_path / "ckpt.pt"))
-    assert shards.locate(str(tmp_path / "other-rank-1.pt")) is None
+    assert shards.locate(str(tmp_path / "ckpt.pt")) == ("file", str(tmp_path / "ckpt.pt"))
+    assert shards.locate(str(tmp_path / "ckpt-rank-1.pt")) is None
+    assert shards.locate(str(tmp_path / "ckpt-shared.pt")) is None
 
 
 @pytest.mark.parametrize("set_first", [True, False])
@@ -175,8 +177,11 @@ def test_set_and_single_file_of_one_name_the_later_save_wins(tmp_path, set_first
             torch.save(state, base + ".pt")
         time.sleep(0.01)
     wins = "file" if set_first else "set"
-    for name in (base + ".pt", shards.rank_path(base, 1), shards.shared_path(base)):
-        assert shards.locate(name)[0] == wins
+    assert shards.locate(base + ".pt")[0] == wins
+    assert shards.resolve(base + ".pt")[2] == ("saved later than the set " + shards.shared_path(base)
+                                               if set_first else f"saved later than the single file {base}.pt")
+    for name in (shards.rank_path(base, 1), shards.shared_path(base)):  # named explicitly: the set
+        assert shards.locate(name) == ("set", base)
 
 
 def test_single_files_with_set_like_names_are_single_files(tmp_path):

@@ -1,0 +1,46 @@
+"""fairseq's command-line tools with the plugin loaded: bad input is one line, not a traceback.
+
+A FlagError or CheckpointError (errors.py) raised anywhere in fairseq-train, -generate, -interactive,
+-eval-lm, -validate or -hydra-train prints `PROG: error: MESSAGE` on stderr, like argparse does for a
+bad flag, once (rank 0; the other ranks, which meet the same error, stay silent), and exits with code 2.
+Every other exception keeps its traceback: it is a bug to report, not bad input.
+"""
+import functools
+import importlib
+import os
+import sys
+
+import torch.distributed as dist
+
+from .errors import CheckpointError, FlagError
+
+TOOLS = ("fairseq_cli.train", "fairseq_cli.generate", "fairseq_cli.interactive", "fairseq_cli.eval_lm",
+         "fairseq_cli.validate")
+
+
+def install():
+    """Wrap each tool's main (idempotent). cli_main looks `main` up when it calls it, so this takes
+    effect for the run that loads the plugin; fairseq-hydra-train holds train.main as pre_main."""
+    for name in TOOLS:
+        module = importlib.import_module(name)
+        module.main = one_line_errors(module.main)
+    hydra = sys.modules.get("fairseq_cli.hydra_train")  # loaded only by fairseq-hydra-train (importing
+    if hydra is not None:                              # it warns about Hydra versions)
+        hydra.pre_main = one_line_errors(hydra.pre_main)
+
+
+def one_line_errors(main):
+    if getattr(main, "one_line_errors", False):
+        return main
+
+    @functools.wraps(main)  # main.__wrapped__: the tool's own main, for callers that want the exception
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except (FlagError, CheckpointError) as e:
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    wrapped.one_line_errors = True
+    return wrapped

@@ -1,0 +1,17 @@
+"""The two kinds of bad input the plugin refuses by name (no fairseq import here).
+
+Both are ValueErrors, so library callers catch them as before; fairseq's command-line tools, with the
+plugin loaded, print either as one line `PROG: error: ...` and exit with code 2 (cli.py).
+"""
+
+
+class FlagError(ValueError):
+    """A flag, or a combination of flags, that cannot work: the message names the flags."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked: the message names the file and what is wrong."""
+
+
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """A checkpoint file that should be there is not: the message names it."""
