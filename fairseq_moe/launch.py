@@ -5,7 +5,9 @@
 fairseq's own multi-process spawn assumes CUDA devices, and its default --ddp-backend passes device
 ids; this launcher starts one process per rank with --distributed-no-spawn, gloo and legacy_ddp
 instead. On GPUs use fairseq's usual launch (or torchrun / Slurm): nothing of this is needed there.
-If a rank fails, the others are stopped, so that none waits forever in a collective.
+If a rank fails, the others are stopped, so that none waits forever in a collective. SIGTERM, SIGINT
+and SIGHUP sent to the launcher are passed on to every rank, so that none is left running as an orphan;
+ranks still running --grace-seconds after either are killed (SIGKILL).
 """
 import argparse
 import os
@@ -15,6 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+
+GRACE_SECONDS = 30  # default time ranks get to exit (and save) after a stop, before SIGKILL
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port():
@@ -49,6 +54,9 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS per rank (default: cores / nproc, at least 1)")
+    parser.add_argument("--grace-seconds", type=float, default=GRACE_SECONDS,
+                        help="after a signal or a failed rank, seconds the other ranks get to exit before "
+                             f"they are killed with SIGKILL (default: {GRACE_SECONDS})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the fairseq command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -63,37 +71,53 @@ def main(argv=None):
     except ValueError as err:
         parser.error(str(err))
 
+    # Installed before any rank starts: a signal that comes while ranks start stops the launch, and
+    # the ranks started by then get it too. The handler only records it; the wait loop passes it on.
+    received = []
+    for signum in FORWARDED:
+        # One that is ignored stays so (nohup: a hangup must not stop the run), for the ranks too.
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, lambda signum, frame: received.append(signum))
     procs = []
     for rank, cmd in enumerate(commands):
+        if received:
+            break
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
                    LOCAL_WORLD_SIZE=str(args.nproc))
         env.setdefault("OMP_NUM_THREADS", str(threads))
         procs.append(subprocess.Popen(cmd, env=env))
-    return wait_all(procs)
+    return wait_all(procs, received, args.grace_seconds)
 
 
-def wait_all(procs):
-    """Wait for every rank; at the first failure stop the rest and return its exit code."""
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                for p in procs:
-                    p.wait()
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        for p in procs:
+def wait_all(procs, received, grace):
+    """Wait for every rank. At the first signal in `received`, pass it on to the ranks and return
+    128 + its number, as a shell would; at the first failed rank, stop the rest and return its code."""
+    while True:
+        if received:
+            stop(procs, received[0], grace)
+            return 128 + received[0]
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            stop(procs, signal.SIGTERM, grace)
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def stop(procs, signum, grace):
+    """Send signum to the ranks still running and wait for them; SIGKILL those still running after
+    `grace` seconds (one stuck in a collective or ignoring the signal would otherwise hold us forever)."""
+    for p in procs:
+        p.send_signal(signum)  # a no-op for a rank that has exited
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
             p.wait()
-        return 130
 
 
 if __name__ == "__main__":

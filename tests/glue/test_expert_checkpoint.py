@@ -272,6 +272,11 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"), str(save / "checkpoint_last.pt"),
                          "--world-size", "4"]) == 0
     torch.save({"mine": torch.ones(1)}, save / "notes-shared.pt")
+    # What a killed earlier run left: a temporary of a save, and a set whose deletion stopped after
+    # its rank-0 file went. The next save removes both; a user's look-alike files stay.
+    for name in ("checkpoint_last-rank-1.pt.tmp", "checkpoint_1_1-shared.pt", "checkpoint_1_1-rank-1.pt",
+                 "notes.pt.tmp", "checkpoint_1_1-rank-1.pt.bak"):
+        (save / name).write_bytes(b"x")
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *SGD, "--max-update", "3", "--no-save-optimizer-state",
                        "--restore-file", str(save / "checkpoint_last.pt"))]
@@ -281,8 +286,8 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     state = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in state["optimizer_history"]][-2:] == [2, 3]  # resumed at 2
     assert sorted(os.listdir(save)) == sorted(
-        ["notes-shared.pt"] + [f"checkpoint_{n}-{r}.pt" for n in ("last", "best")
-                               for r in ("shared", "rank-0", "rank-1")])
+        ["notes-shared.pt", "notes.pt.tmp", "checkpoint_1_1-rank-1.pt.bak"]
+        + [f"checkpoint_{n}-{r}.pt" for n in ("last", "best") for r in ("shared", "rank-0", "rank-1")])
 
     missing = str(tmp_path / "nothing.pt")
     with pytest.raises(FileNotFoundError, match=f"--restore-file {missing}: no such checkpoint"):

@@ -1,0 +1,166 @@
+"""Damaged save folders, as a kill or a careless copy leaves them: each gives the right checkpoint or one
+clear error naming the file, and every file that was there before is still there, byte for byte.
+
+The sets are cut from a real one-process checkpoint by reshard (what W ranks would have written); the
+runs are fairseq-train and fairseq-generate in this process, plus two 2-rank launches for what every
+rank must do alike (one error line, exit code 2, no traceback).
+"""
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_moe import expert_checkpoint as shards
+from fairseq_moe.errors import CheckpointError, MissingCheckpointError
+from fairseq_moe.reshard import main as reshard_main
+
+from .helpers import USER_DIR, run_generate, run_train, train_argv
+
+ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
+
+
+def snapshot(folder):
+    """{relative path: sha256} of every file under folder."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def make_set(trained, folder, name="checkpoint_last", world_size=2):
+    assert reshard_main([str(trained), str(folder / f"{name}.pt"), "--world-size", str(world_size)]) == 0
+    return str(folder / name)
+
+
+def updates(state):
+    return state["optimizer_history"][-1]["num_updates"]
+
+
+@pytest.mark.parametrize("how", ["restore-file", "auto-resume"])
+@pytest.mark.parametrize("damage", ["no shared file", "no rank file", "truncated rank file", "empty shared file"])
+def test_a_damaged_set_is_an_error_never_a_fresh_start(data_bin, trained_checkpoint, tmp_path, how, damage):
+    save = tmp_path / "save"
+    base = make_set(trained_checkpoint, save)
+    missing_or_bad = {"no shared file": shards.shared_path(base), "no rank file": shards.rank_path(base, 1),
+                      "truncated rank file": shards.rank_path(base, 1),
+                      "empty shared file": shards.shared_path(base)}[damage]
+    if damage.startswith("no "):
+        os.remove(missing_or_bad)
+    elif damage == "truncated rank file":
+        data = open(missing_or_bad, "rb").read()
+        open(missing_or_bad, "wb").write(data[:len(data) // 2])
+    else:
+        open(missing_or_bad, "wb").close()
+    before = snapshot(tmp_path)
+    extra = ("--restore-file", base + ".pt", "--save-dir", str(tmp_path / "elsewhere")) if how == "restore-file" else ()
+    error = MissingCheckpointError if damage.startswith("no ") else CheckpointError
+    with pytest.raises(error, match=os.path.basename(missing_or_bad)):
+        run_train(train_argv(data_bin, save, *ARGS, "--max-update", "4", "--keep-interval-updates", "1",
+                             "--save-interval-updates", "1", *extra))
+    assert snapshot(tmp_path) == before  # nothing written, nothing deleted
+
+
+def test_an_explicit_name_loads_what_it_names(data_bin, trained_checkpoint, tmp_path):
+    """A set (update 2) and a later single file (update 3) of one name: NAME-shared.pt and NAME-rank-R.pt
+    are the set, for generate, restore and reshard alike; the bare NAME.pt is the later save."""
+    base = make_set(trained_checkpoint, tmp_path)  # checkpoint_last-{shared,rank-0,rank-1}.pt: update 2
+    later = tmp_path / "later"
+    run_train(train_argv(data_bin, later, *ARGS, "--max-update", "3", "--restore-file", str(trained_checkpoint)))
+    shutil.copy(later / "checkpoint_last.pt", base + ".pt")  # update 3, saved after the set
+    before = snapshot(tmp_path)
+
+    from fairseq import checkpoint_utils
+
+    assert updates(checkpoint_utils.load_checkpoint_to_cpu(base + ".pt")) == 3
+    for name in (shards.shared_path(base), shards.rank_path(base, 1)):
+        assert updates(checkpoint_utils.load_checkpoint_to_cpu(name)) == 2
+    assert shards.resolve(base + ".pt")[2] == f"saved later than the set {shards.shared_path(base)}"
+
+    assert reshard_main([shards.shared_path(base), str(tmp_path / "out" / "one.pt"), "--world-size", "1"]) == 0
+    assert updates(torch.load(tmp_path / "out" / "one.pt", weights_only=True)) == 2
+
+    for name, expect in ((shards.shared_path(base), 2), (base + ".pt", 3)):
+        resumed = tmp_path / f"resumed{expect}"
+        run_train(train_argv(data_bin, resumed, *ARGS, "--max-update", str(expect + 1), "--restore-file", name))
+        history = torch.load(resumed / "checkpoint_last.pt", weights_only=True)["optimizer_history"]
+        assert [h["num_updates"] for h in history][-2:] == [expect, expect + 1]
+
+    scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", shards.shared_path(base),
+                           "--task", "moe_translation", "--gen-subset", "test", "--beam", "1", "--cpu"])
+    assert "BLEU" in scorer.result_string()
+    snap = snapshot(tmp_path)
+    assert {k: v for k, v in snap.items() if k in before} == before
+
+
+def test_generate_names_an_unreadable_shared_file(data_bin, trained_checkpoint, tmp_path):
+    base = make_set(trained_checkpoint, tmp_path)
+    open(shards.shared_path(base), "wb").close()
+    with pytest.raises(CheckpointError, match="checkpoint_last-shared.pt is empty"):
+        run_generate([data_bin, "--user-dir", USER_DIR, "--path", shards.shared_path(base),
+                      "--task", "moe_translation", "--gen-subset", "test", "--cpu"])
+
+
+def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
+    for source in (str(trained_checkpoint), make_set(trained_checkpoint, tmp_path / "set") + "-shared.pt"):
+        with pytest.raises(CheckpointError, match=r"saved with 4 experts .*\(--moe-expert-count 2\)"):
+            run_train(train_argv(data_bin, tmp_path / "two", "--moe-expert-count", "2", "--max-update", "3",
+                                 "--restore-file", source))
+
+
+def test_a_save_removes_what_a_killed_save_left(tmp_path):
+    """Stray temporaries of checkpoint files and sets whose rank-0 file is gone go at the next save (rank
+    0); sets being written, complete sets, other names and other suffixes stay."""
+    from fairseq_moe.checkpoint import _remove_half_deleted_sets, _remove_stray_temporaries
+
+    stale = ["checkpoint_last.pt.tmp", "checkpoint_1_4-rank-1.pt.tmp", "checkpoint3-shared.pt.tmp",
+             "checkpoint.best_loss_3.21-rank-0.pt.tmp",
+             "checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-1.pt", "checkpoint_1_2-rank-3.pt"]
+    kept = ["checkpoint_1_4-shared.pt", "checkpoint_1_4-rank-0.pt", "checkpoint_1_4-rank-1.pt",
+            "checkpoint_1_6-rank-1.pt",  # being written by rank 1 right now (in `written`)
+            "notes.pt.tmp", "mycheckpoint_last.pt.tmp", "checkpoint_last.pt", "model-rank-1.pt",
+            "checkpoint_1_2-rank-1.pt.bak", "checkpoint_last-other-rank-1.pt"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    _remove_stray_temporaries(str(tmp_path), "")
+    _remove_half_deleted_sets(str(tmp_path), "", [str(tmp_path / "checkpoint_1_6")])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+    # With --checkpoint-suffix -x only that run's names are its own.
+    (tmp_path / "checkpoint_last-x.pt.tmp").write_bytes(b"x")
+    _remove_stray_temporaries(str(tmp_path), "-x")
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+def launch_2(data_bin, save, *extra):
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
+           *train_argv(data_bin, save, *extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["bad flag", "other expert count"])
+def test_two_ranks_print_one_error_line_and_exit_2(data_bin, trained_checkpoint, tmp_path, case):
+    if case == "bad flag":
+        out = launch_2(data_bin, tmp_path / "a", "--moe-expert-ffn-dim", "0")
+        expected = "fairseq-train: error: --moe-expert-ffn-dim must be >= 1"
+    else:
+        source = make_set(trained_checkpoint, tmp_path / "set") + ".pt"
+        before = snapshot(tmp_path)
+        out = launch_2(data_bin, tmp_path / "b", "--moe-expert-count", "2", "--restore-file", source)
+        expected = "fairseq-train: error: "
+        assert snapshot(tmp_path / "set") == {k[len("set/"):]: v for k, v in before.items()}
+    log = out.stdout + out.stderr
+    errors = [line for line in log.splitlines() if ": error: " in line]
+    assert out.returncode == 2, log[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+    assert "Traceback" not in log
+    if case == "other expert count":
+        assert "saved with 4 experts" in errors[0] and "--moe-expert-count 2" in errors[0]

@@ -1,0 +1,172 @@
+"""fairseq_moe.launch stops its ranks: a signal sent to the launcher reaches every rank, a rank that
+ignores it is killed after --grace-seconds, and a failed rank stops the others. No rank is left running.
+
+The ranks are tiny Python programs, not fairseq: each writes its pid to <dir>/<RANK> and sleeps. The
+launcher appends its distributed flags to their argv, where they are ignored. The launcher is loaded
+from its file, not as fairseq_moe.launch: importing the package imports fairseq, seconds per test.
+"""
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+RANK = r"""
+import os, signal, sys, time
+folder, mode = sys.argv[1], sys.argv[2]
+rank = os.environ["RANK"]
+if mode == "ignore-term" and rank == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(folder, rank + ".tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(folder, rank + ".tmp"), os.path.join(folder, rank))  # whole, or not there
+if mode == "fail" and rank == "1":
+    while not os.path.exists(os.path.join(folder, "0")):  # rank 0 runs first, so it has a pid to check
+        time.sleep(0.01)
+    sys.exit(3)
+if mode == "exit":
+    sys.exit(0)
+time.sleep(120)
+"""
+
+LAUNCH_PY = os.path.join(importlib.util.find_spec("fairseq_moe").submodule_search_locations[0], "launch.py")
+
+# python -c LAUNCHER LAUNCH_PY FOLDER PATCH ARGS...: the launcher's main(ARGS). With PATCH "signal",
+# its Popen sends the launcher SIGTERM right after it has started rank 0: a signal that comes while
+# ranks start. Every rank it starts has its pid recorded in FOLDER/started.
+LAUNCHER = r"""
+import importlib.util, os, signal, subprocess, sys
+path, folder, patch, *args = sys.argv[1:]
+spec = importlib.util.spec_from_file_location("launch", path)
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+class Popen(subprocess.Popen):
+    def __init__(self, *popen_args, **kwargs):
+        super().__init__(*popen_args, **kwargs)
+        with open(os.path.join(folder, "started"), "a") as f:
+            f.write(f"{self.pid}\n")
+        if patch == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+launch.subprocess.Popen = Popen
+sys.exit(launch.main(args))
+"""
+
+NPROC = 3
+TIMEOUT = 20  # seconds; nothing here should come near it
+
+
+@pytest.fixture
+def run(tmp_path):
+    """start(*launcher_args, mode=...) -> the launcher's Popen; at teardown nothing it started survives."""
+    started = []
+
+    def start(*launcher_args, mode="sleep", patch="none", **popen):
+        launcher = [sys.executable, "-c", LAUNCHER, LAUNCH_PY, str(tmp_path), patch]
+        rank = [sys.executable, "-c", RANK, str(tmp_path), mode]
+        proc = subprocess.Popen([*launcher, "--nproc", str(NPROC), *launcher_args, "--", *rank],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    for pid in pids(tmp_path):
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid is another user's now
+        return False
+    return True
+
+
+def pids(folder):
+    return [int((folder / name).read_text()) for name in os.listdir(folder) if name.isdigit()]
+
+
+def wait_for(condition, what, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def wait_ranks_up(folder, launcher):
+    wait_for(lambda: len(pids(folder)) == NPROC or launcher.poll() is not None, "the ranks to start")
+    assert launcher.poll() is None, launcher.communicate()[0]
+    return pids(folder)
+
+
+def finish(launcher):
+    output, _ = launcher.communicate(timeout=TIMEOUT)
+    return launcher.returncode, output
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_launcher_stops_every_rank(run, tmp_path, signum):
+    launcher = run()
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.send_signal(signum)
+    code, output = finish(launcher)
+    assert code == 128 + signum, output
+    assert not [pid for pid in ranks if alive(pid)]
+
+
+def test_ignored_hangup_stays_ignored(run, tmp_path):
+    """Under nohup, a hangup must not stop the run: neither the launcher nor its ranks."""
+    launcher = run(preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    for pid in ranks:
+        os.kill(pid, signal.SIGHUP)
+    time.sleep(0.5)
+    assert launcher.poll() is None and all(alive(pid) for pid in ranks)
+    launcher.send_signal(signal.SIGTERM)
+    assert finish(launcher)[0] == 128 + signal.SIGTERM
+
+
+def test_rank_ignoring_sigterm_is_killed_after_grace_period(run, tmp_path):
+    grace = 1.5
+    launcher = run("--grace-seconds", str(grace), mode="ignore-term")
+    ranks = wait_ranks_up(tmp_path, launcher)
+    sent = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    code, output = finish(launcher)
+    assert code == 128 + signal.SIGTERM, output
+    assert time.monotonic() - sent >= grace - 0.1  # rank 1 got its grace period
+    assert not [pid for pid in ranks if alive(pid)]
+
+
+def test_failed_rank_stops_the_others_and_its_code_is_returned(run, tmp_path):
+    launcher = run(mode="fail")
+    code, output = finish(launcher)
+    assert code == 3, output
+    ranks = pids(tmp_path)
+    assert len(ranks) >= 2 and not [pid for pid in ranks if alive(pid)]
+
+
+def test_signal_while_ranks_start_stops_the_launch(run, tmp_path):
+    launcher = run(patch="signal")
+    code, output = finish(launcher)
+    assert code == 128 + signal.SIGTERM, output
+    started = [int(line) for line in (tmp_path / "started").read_text().split()]
+    assert len(started) == 1  # no rank is started after the signal
+    assert not alive(started[0])
+
+
+def test_all_ranks_succeed(run, tmp_path):
+    code, output = finish(run(mode="exit"))
+    assert code == 0, output
+    assert len(pids(tmp_path)) == NPROC
