@@ -6,27 +6,68 @@
 IN is a set written by fairseq-train (NAME.pt, NAME-shared.pt or any NAME-rank-R.pt of it) or a single
 file written by this command. OUT: NAME.pt; W' > 1 writes NAME-shared.pt and NAME-rank-0..W'-1.pt,
 W' = 1 writes NAME.pt with every expert (what `python -m fairseq_moe.consolidate` does). Every input file
-is checked (expert_checkpoint.read_set); existing files are never overwritten.
+is checked (expert_checkpoint.read_set); existing files are never overwritten, and a command that fails
+leaves no output behind.
 """
 import argparse
+import errno
 import os
+import pickle
+import re
+import secrets
 import sys
 
 import torch
 
 from . import expert_checkpoint as shards
+from . import safe_eval
 from .checkpoint import register_safe_globals
 from .moe.comm import expert_parallel_size
 
 
 def read_any(path):
-    """The full state (every expert) of a set or of a single consolidated file."""
-    found = shards.locate(path)
+    """The full state (every expert) of a set or of a single consolidated file.
+
+    Anything that is not a readable checkpoint raises ValueError (or FileNotFoundError) naming a file.
+    Files are only ever read with torch.load(weights_only=True): no code in them runs.
+    """
+    try:
+        found = shards.locate(path)
+    except (ValueError, OSError):
+        raise
+    except Exception as e:  # locate peeks into the files to tell a set from a single file
+        raise ValueError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
     if found is None:
         raise FileNotFoundError(f"{path}: no such checkpoint (nor {shards.set_base(path)}-shared.pt)")
     if found[0] == "set":
-        return shards.assemble(found[1])
-    return torch.load(found[1], map_location="cpu", weights_only=True)
+        try:
+            return shards.assemble(found[1])
+        except (ValueError, OSError):
+            raise
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # loadable, but not laid out as a set
+            raise ValueError(f"{path}: the files of {found[1]}.pt are not an expert-parallel checkpoint "
+                             f"set of fairseq-moe ({type(e).__name__}: {e})") from e
+    return shards._load(found[1], "the checkpoint to reshard", mmap=False)
+
+
+def _check_state(state, src):
+    """The expert manifest of a full-expert state, after checking what writing it relies on."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{src}: not a fairseq checkpoint (it holds a {type(state).__name__}, not a dict)")
+    extra = state.get("extra_state")
+    info = extra.get("moe_checkpoint") if isinstance(extra, dict) else None
+    experts = info.get("experts") if isinstance(info, dict) else None
+    if not experts or not isinstance(experts, dict):
+        raise ValueError(f"{src} holds no expert manifest: not a checkpoint of fairseq-moe training")
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{src}: not a fairseq checkpoint (no model state)")
+    for name, E in experts.items():
+        t = model.get(name)
+        if not isinstance(E, int) or E < 1 or not torch.is_tensor(t) or t.dim() < 1 or t.shape[0] != E:
+            raise ValueError(f"{src}: its manifest lists {name} with {E!r} experts, but the model state "
+                             f"holds {'no such tensor' if not torch.is_tensor(t) else tuple(t.shape)}")
+    return experts
 
 
 def _outputs(out, world_size):
@@ -36,10 +77,110 @@ def _outputs(out, world_size):
     return [shards.rank_path(base, r) for r in range(world_size)] + [shards.shared_path(base)]
 
 
-def _save(obj, path):
-    """Write whole or not at all: a file appears under its name only when complete."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _create_temporary(path):
+    """(fd, name) of a new file next to path, created exclusively (O_EXCL: never an existing file or link)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+        try:
+            # mode 0666 less the umask, as torch.save(path) would create it
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(folder, f".{name}.*.tmp"))
+
+
+def _fsync_folder(folder):
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _Writer:
+    """Writes each output whole under its name, never over anything, and can take back what it wrote."""
+
+    def __init__(self):
+        self.published = []  # (path, (st_dev, st_ino)) of the files this command created
+
+    def save(self, obj, path):
+        fd, tmp = _create_temporary(path)
+        try:
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    fd = None
+                    torch.save(obj, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    st = os.fstat(f.fileno())
+            except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
+                raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
+            tmp = self._publish(tmp, path)
+            self.published.append((path, (st.st_dev, st.st_ino)))
+            _fsync_folder(os.path.dirname(os.path.abspath(path)))
+        finally:
+            if fd is not None:
+                os.close(fd)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _publish(tmp, path):
+        """Give tmp the name path unless something has that name; returns tmp when it is still to remove."""
+        exists = FileExistsError(f"{path} appeared while this command was writing (nothing is overwritten)")
+        try:
+            os.link(tmp, path)  # atomic, and fails when path exists (a dangling link included)
+            return tmp
+        except FileExistsError:
+            raise exists from None
+        except OSError:  # no hard links on this file system: check, then rename
+            if os.path.lexists(path):
+                raise exists from None
+            os.rename(tmp, path)
+            return None
+
+    def undo(self):
+        """Remove the files this command published, each only while it is still the file written."""
+        removed = []
+        for path, ident in reversed(self.published):
+            try:
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == ident:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+        self.published = []
+        return removed
+
+
+def _make_folder(folder):
+    """os.makedirs(folder); returns the folders it created, deepest first."""
+    created, f = [], folder
+    while not os.path.lexists(f):
+        created.append(f)
+        parent = os.path.dirname(f)
+        if parent == f:
+            break
+        f = parent
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{folder}: cannot create the output folder ({e.strerror or e})") from e
+    return created
 
 
 def reshard(src, out, world_size):
@@ -47,17 +188,40 @@ def reshard(src, out, world_size):
         raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    existing = [p for p in _outputs(out, world_size) if os.path.exists(p)]
+    outputs = _outputs(out, world_size)
+    existing = [p for p in outputs if os.path.lexists(p)]
     if existing:
-        raise FileExistsError(f"{existing[0]} exists; choose another OUT (nothing is overwritten)")
+        what = " (a symbolic link)" if os.path.islink(existing[0]) else ""
+        raise FileExistsError(f"{existing[0]} exists{what}; choose another OUT (nothing is overwritten)")
     state = read_any(src)
-    experts = (state.get("extra_state", {}).get("moe_checkpoint") or {}).get("experts")
-    if not experts:
-        raise ValueError(f"{src} holds no expert manifest: not a checkpoint of fairseq-moe training")
+    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
+    experts = _check_state(state, src)
     for E in set(experts.values()):
         expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return shards.write(state, out, world_size, save=_save)
+    created = _make_folder(os.path.dirname(os.path.abspath(out)))
+    writer = _Writer()
+    try:
+        return shards.write(state, out, world_size, save=writer.save)
+    except BaseException as e:
+        removed = writer.undo()
+        for folder in created:
+            try:
+                os.rmdir(folder)  # only when empty
+            except OSError:
+                pass
+        if removed and isinstance(e, (ValueError, OSError)):
+            kind = next(k for k in (FileExistsError, OSError, ValueError) if isinstance(e, k))
+            raise kind(f"{_one_line(e)}; removed the {len(removed)} file(s) this command had written "
+                       f"({', '.join(removed)})") from e
+        raise
+
+
+def _one_line(e):
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        msg = f"{e.filename}: {e.strerror}"
+    else:
+        msg = str(e)
+    return re.sub(r"\s*[\r\n]+\s*", " ", msg).strip()
 
 
 def main(argv=None, prog="python -m fairseq_moe.reshard", world_size=None):
@@ -70,8 +234,8 @@ def main(argv=None, prog="python -m fairseq_moe.reshard", world_size=None):
     register_safe_globals()
     try:
         written = reshard(args.input, args.output, world_size or args.world_size)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, pickle.UnpicklingError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
     for path in written:
         print(path)
