@@ -194,8 +194,8 @@ def reshard(src, out, world_size):
         what = " (a symbolic link)" if os.path.islink(existing[0]) else ""
         raise FileExistsError(f"{existing[0]} exists{what}; choose another OUT (nothing is overwritten)")
     state = read_any(src)
-    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
     experts = _check_state(state, src)
+    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
     for E in set(experts.values()):
         expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
     created = _make_folder(os.path.dirname(os.path.abspath(out)))
