@@ -175,8 +175,9 @@ def test_router_agreement_allows_a_near_tie_only(bench):
     swapped = logits.clone()
     swapped[5, top[1]], swapped[5, top[2]] = logits[5, top[2]], logits[5, top[1]]
     errs, ok = compare_router(ref.router(swapped, 2, renormalize=True), want, 1e-4)
-    assert ok and errs == {"weights": 0.0, "tokens_choosing_otherwise": 1, "counts_moved": 2,
-                           "order_differs": 1.0}
+    # (The weights agree to rounding: the softmax sums the same scores in another order.)
+    assert ok and errs.pop("weights") < 1e-6
+    assert errs == {"tokens_choosing_otherwise": 1, "counts_moved": 2, "order_differs": 1.0}
     # The same choices in another order, or a different routing altogether, fail.
     assert not compare_router((*want[:3], want[3].flip(0)), want, 1e-4)[1]
     assert not compare_router(ref.router(torch.randn(1000, 8), 2, renormalize=True), want, 1e-4)[1]
