@@ -58,10 +58,11 @@ def literal(text, *_ignored):
     if not isinstance(text, str):
         raise TypeError(f"eval() arg 1 must be a string, not {type(text).__name__}")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        return _value(ast.parse(text.strip(), mode="eval").body, text)
     except SyntaxError as e:
         raise ValueError(f"{text!r} is not a Python literal ({e.msg})") from None
-    return _value(tree.body, text)
+    except (RecursionError, MemoryError):  # nested deeper than any config needs
+        raise ValueError(f"{text[:60]!r}... is not a Python literal (nested too deeply)") from None
 
 
 def _value(node, text):
