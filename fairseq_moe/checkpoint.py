@@ -27,9 +27,9 @@ from itertools import chain
 
 import torch
 
-from .errors import CheckpointError, FlagError, MissingCheckpointError
 from . import expert_checkpoint as shards
 from . import safe_eval
+from .errors import CheckpointError, FlagError, MissingCheckpointError
 
 SAFE_GLOBALS = [argparse.Namespace]
 logger = logging.getLogger(__name__)
@@ -248,11 +248,10 @@ def load_found(found, arg_overrides=None, want=None, experts=None):
         info = state.get("extra_state", {}).get("moe_checkpoint") or {}
         check_expert_layout(info.get("experts"), experts, target)
         return state
-    shared = shards.shared_path(target)
-    if not os.path.exists(shared):
-        shards.read_set(target)  # names the missing file and what it is for
+    shards.check_set(target)  # names the first missing or damaged file, and what it is for
     # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file, then
     # put the experts in.
+    shared = shards.shared_path(target)
     state = load_checkpoint_file(shared, arg_overrides)
     check_expert_layout((state["extra_state"].get("moe_checkpoint") or {}).get("experts"), experts, shared)
     return shards.assemble(target, want=want, shared=state)
@@ -378,8 +377,7 @@ def install_expert_parallel_checkpointing():
                 return trainer_load(self, filename, *args, **kwargs)
             raise MissingCheckpointError(f"--restore-file {name}: no such checkpoint")
         if found[0] == "set":  # a set with a file missing or damaged is an error, never a fresh start
-            shards.read_set(found[1], shared=shards.read_file(shards.shared_path(found[1]), mmap=True)
-                            if os.path.exists(shards.shared_path(found[1])) else None)
+            shards.check_set(found[1])
         logger.info("%s: loading %s", name, shards.describe(found))
         spread = spread_of(self)
         ranges = {n: (f, f + c) for n, (f, c, _) in spread.items()}

@@ -109,7 +109,7 @@ def read_file(path, mmap=False):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: [^\n]*|Unsupported operand[^\n]*", str(e))
+        refused = re.search(r"(?i)unsupported (global|operand)[^\n]*", str(e))  # what it would have run
         raise CheckpointError(f"{path} is refused by safe loading (torch.load weights_only=True): it holds "
                               f"objects that are not tensors or plain data"
                               + (f" ({refused.group(0).strip()})" if refused else "")) from None
@@ -233,6 +233,13 @@ def read_set(base, shared=None):
                                  f"{r} of {W} holds")
         shards.append(shard)
     return shared, shards
+
+
+def check_set(base):
+    """read_set's checks with every file memory-mapped (cheap): raises naming the first file of the set
+    NAME that is missing, empty, unreadable or from another save."""
+    shared = shared_path(base)
+    read_set(base, shared=read_file(shared, mmap=True) if os.path.exists(shared) else None)
 
 
 def _cut(pieces, lo, hi):
