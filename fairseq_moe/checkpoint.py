@@ -86,6 +86,9 @@ def check_supported(args, spread):
             getattr(args, "memory_efficient_fp16", False) or getattr(args, "fp16_no_flatten_grads", False)):
         raise FlagError("--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
                          "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert")
+    if getattr(args, "write_checkpoints_asynchronously", False):
+        raise FlagError("--write-checkpoints-asynchronously is not supported with experts spread over ranks: "
+                        "a set's files must all be on disk before older sets are deleted")
     if getattr(args, "store_ema", False):
         raise FlagError("--store-ema is not supported with experts spread over ranks: the EMA copy would "
                          "hold only this rank's experts")
@@ -138,6 +141,8 @@ class _CopySharedToo:
 def _atomic_copy(src, dst, overwrite):
     if os.path.exists(dst) and not overwrite:
         return False
+    if os.path.lexists(dst + ".tmp"):  # a left-over (or a link): never write through it
+        os.remove(dst + ".tmp")
     shutil.copyfile(src, dst + ".tmp")
     os.replace(dst + ".tmp", dst)
     return True
@@ -160,13 +165,15 @@ def _remove_stray_temporaries(save_dir, suffix):
                 logger.info("removed %s, left by a save that did not finish", name)
 
 
-def _remove_half_deleted_sets(save_dir, suffix, written):
+def _remove_half_deleted_sets(save_dir, suffix):
     """Sets of this run's checkpoint names whose rank-0 file is gone but other files remain: a
-    deletion (--keep-*) cut short by a kill. Without rank 0 they cannot load; remove the rest. Rank 0
-    writes its file before the shared one and deletes it first, so a set being written is never one."""
+    deletion (--keep-*) cut short by a kill (rank 0 deletes its file first). Without rank 0 they cannot
+    load; remove the rest. Called by rank 0 at the start of a save, when no rank writes or deletes."""
+    if not os.path.isdir(save_dir):
+        return
     pattern = _checkpoint_name(suffix, r"(-shared|-rank-\d+)\.pt")
     bases = {shards.set_base(os.path.join(save_dir, n)) for n in os.listdir(save_dir) if pattern.match(n)}
-    for base in bases - set(written):
+    for base in sorted(bases):
         if not os.path.exists(shards.rank_path(base, 0)):
             _remove_ranks(base, 0)
             with contextlib.suppress(FileNotFoundError):
@@ -212,15 +219,19 @@ def load_checkpoint_file(path, arg_overrides=None):
     from omegaconf import OmegaConf
 
     state = shards.read_file(path)
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path} is not a fairseq checkpoint (a {type(state).__name__}"
+                              + (" without a model state)" if isinstance(state, dict) else ")"))
     safe_eval.check_config(state, path)
-    if state.get("args") is not None and arg_overrides is not None:
-        for key, value in arg_overrides.items():
-            setattr(state["args"], key, value)
-    if state.get("cfg") is not None:
-        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
-        if arg_overrides is not None:
-            overwrite_args_by_name(state["cfg"], arg_overrides)
-    return checkpoint_utils._upgrade_state_dict(state)
+    with shards.laid_out(path):
+        if state.get("args") is not None and arg_overrides is not None:
+            for key, value in arg_overrides.items():
+                setattr(state["args"], key, value)
+        if state.get("cfg") is not None:
+            state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+            if arg_overrides is not None:
+                overwrite_args_by_name(state["cfg"], arg_overrides)
+        return checkpoint_utils._upgrade_state_dict(state)
 
 
 def check_expert_layout(saved, model, path):
@@ -245,15 +256,16 @@ def load_found(found, arg_overrides=None, want=None, experts=None):
     kind, target, _ = found
     if kind == "file":
         state = load_checkpoint_file(target, arg_overrides)
-        info = state.get("extra_state", {}).get("moe_checkpoint") or {}
-        check_expert_layout(info.get("experts"), experts, target)
+        with shards.laid_out(target):
+            check_expert_layout(shards.manifest_of(state).get("experts"), experts, target)
         return state
     shards.check_set(target)  # names the first missing or damaged file, and what it is for
     # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file, then
     # put the experts in.
     shared = shards.shared_path(target)
     state = load_checkpoint_file(shared, arg_overrides)
-    check_expert_layout((state["extra_state"].get("moe_checkpoint") or {}).get("experts"), experts, shared)
+    with shards.laid_out(shared):
+        check_expert_layout(shards.manifest_of(state).get("experts"), experts, shared)
     return shards.assemble(target, want=want, shared=state)
 
 
@@ -330,6 +342,7 @@ def install_expert_parallel_checkpointing():
                                     self.data_parallel_rank, info)
         async_write = self.cfg.checkpoint.write_checkpoints_asynchronously
         checkpoint_utils.torch_persistent_save(mine, filename, async_write=async_write)
+        getattr(self, "_moe_on_write", lambda: None)()
         if self.is_data_parallel_master:
             path = shards.shared_path(shards.set_base(filename))
             checkpoint_utils.torch_persistent_save(shared, path, async_write=async_write)
@@ -342,21 +355,45 @@ def install_expert_parallel_checkpointing():
         if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
             return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
         spread, master = bool(spread_of(trainer)), trainer.is_data_parallel_master
-        if master:
+        if master:  # what a killed save left; no rank writes or deletes now
             _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
-        if spread:
-            os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
-            # One id for all files of this save, drawn on rank 0: files of two saves never pass for a
-            # set. (It also orders the clean-up above before any rank's write.)
-            trainer._moe_save_id = dist_utils.broadcast_object(
-                shards.new_save_id(), src_rank=0, group=trainer.data_parallel_process_group)
+            if spread:
+                _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix)
+        if not spread:
+            return _save_then_delete(cfg, trainer, epoch_itr, val_loss, master=False, barrier=None)
+        os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
+        group = trainer.data_parallel_process_group
+        # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
+        # (It also orders the clean-up above before any rank's write.)
+        trainer._moe_save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
         before, trainer._moe_written = _rank0_files(cfg.save_dir), []
-        copier = _CopySharedToo(checkpoint_utils.PathManager, master and spread, trainer._moe_written)
-        with _swapped(checkpoint_utils, "PathManager", copier):
-            out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        if master and spread:
+        out = _save_then_delete(cfg, trainer, epoch_itr, val_loss, master,
+                                barrier=lambda: dist_utils.all_reduce(torch.zeros(1), group))
+        if master:
             _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, trainer._moe_written)
-            _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix, trainer._moe_written)
+        return out
+
+    def _save_then_delete(cfg, trainer, epoch_itr, val_loss, master, barrier):
+        """fairseq's save_checkpoint with atomic copies; with a barrier, no rank deletes an old checkpoint
+        (--keep-*) before every rank has written all files of this save: a kill in between leaves the
+        previous set whole. fairseq deletes after its last copy, at its first checkpoint_paths() call
+        after writing; each rank makes the same calls, so all meet in the barrier once."""
+        copier = _CopySharedToo(checkpoint_utils.PathManager, master, getattr(trainer, "_moe_written", []))
+        state = {"written": False, "met": barrier is None}
+        list_checkpoints = checkpoint_utils.checkpoint_paths
+
+        def checkpoint_paths(*args, **kwargs):
+            if state["written"] and not state["met"]:
+                barrier()
+                state["met"] = True
+            return list_checkpoints(*args, **kwargs)
+
+        with _swapped(checkpoint_utils, "PathManager", copier), \
+                _swapped(checkpoint_utils, "checkpoint_paths", checkpoint_paths), \
+                _swapped(trainer, "_moe_on_write", lambda: state.update(written=True)):
+            out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        if not state["met"]:
+            barrier()  # nothing was deleted: meet before rank 0's clean-up all the same
         return out
 
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):

@@ -17,6 +17,7 @@ ranks' slices. Rank files are read memory-mapped, so a rank reads only the exper
 No fairseq import here: this is the file format, used by the trainer hooks (checkpoint.py) and the
 reshard/consolidate commands.
 """
+import contextlib
 import glob
 import os
 import pickle
@@ -113,9 +114,30 @@ def read_file(path, mmap=False):
         raise CheckpointError(f"{path} is refused by safe loading (torch.load weights_only=True): it holds "
                               f"objects that are not tensors or plain data"
                               + (f" ({refused.group(0).strip()})" if refused else "")) from None
+    except MemoryError:
+        raise
     except Exception as e:  # truncated, or not a torch file at all
         raise CheckpointError(f"{path} cannot be read as a checkpoint (truncated, or not a checkpoint "
                               f"file?): {type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def laid_out(what):
+    """Surprises in the structure of a readable file (a foreign dict, wrong types or shapes) become one
+    CheckpointError naming what was read, instead of an AttributeError deep in the loading code."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{what} is not laid out as a fairseq(-moe) checkpoint: {type(e).__name__}: {e}") from None
+
+
+def manifest_of(state):
+    """The expert-parallel manifest a checkpoint state carries ({} when none)."""
+    extra = state.get("extra_state") if isinstance(state, dict) else None
+    info = extra.get("moe_checkpoint") if isinstance(extra, dict) else None
+    return info if isinstance(info, dict) else {}
 
 
 def _peek(path):
@@ -127,9 +149,9 @@ def _is_set_file(path):
         state = _peek(path)
     except CheckpointError:
         return True  # unreadable: let loading the set name it
-    if "moe_shard" in state:
-        return True
-    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    if not isinstance(state, dict) or "moe_shard" in state:
+        return True  # (not a checkpoint at all: let loading name it)
+    info = manifest_of(state)
     # A shared file has a save id and no experts; a consolidated file (reshard to 1) has its experts.
     return "save_id" in info and not any(name in state.get("model", {}) for name in info.get("experts", ()))
 
@@ -146,17 +168,23 @@ def _later_or_same(base, plain):
             state = _peek(path)
         except CheckpointError:
             continue
-        ia = state.get("moe_shard") or state.get("extra_state", {}).get("moe_checkpoint")
-        if ia:
+        ia = (state.get("moe_shard") or manifest_of(state)) if isinstance(state, dict) else None
+        if isinstance(ia, dict) and ia:
             break
     if not ia:
         return True  # no readable file of the set: let loading it name what is wrong
-    b = _peek(plain)
-    ib = b.get("extra_state", {}).get("moe_checkpoint") or {}
+    try:
+        b = _peek(plain)
+    except CheckpointError:
+        return True  # a damaged single file cannot be the later save
+    if not isinstance(b, dict):
+        return True
+    ib = manifest_of(b)
     if "saved_at" in ia and "saved_at" in ib:
         return ia["saved_at"] >= ib["saved_at"]
-    history = b.get("optimizer_history") or [{}]
-    return ia.get("num_updates", 0) >= history[-1].get("num_updates", 0)
+    with laid_out(plain):
+        history = b.get("optimizer_history") or [{}]
+        return ia.get("num_updates", 0) >= history[-1].get("num_updates", 0)
 
 
 def new_save_id():
@@ -204,6 +232,11 @@ def read_set(base, shared=None):
     the rank files are memory-mapped, so only the expert rows that are cut out are read.
     shared: the shared file's state when the caller has loaded it already.
     """
+    with laid_out(f"the checkpoint set {base}-shared.pt + rank files"):
+        return _read_set(base, shared)
+
+
+def _read_set(base, shared=None):
     shared_file = shared_path(base)
     if shared is None:
         shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
@@ -271,6 +304,11 @@ def assemble(base, want=None, shared=None):
     size), else all E. The optimizer state of the experts is cut the same way.
     shared: the shared file's state, when already loaded (see read_set).
     """
+    with laid_out(f"the checkpoint set {base}-shared.pt + rank files"):
+        return _assemble(base, want, shared)
+
+
+def _assemble(base, want=None, shared=None):
     shared, shards = read_set(base, shared)
     info = shared["extra_state"]["moe_checkpoint"]
     model = dict(shared["model"])
@@ -298,7 +336,7 @@ def cut_for_rank(state, spread):
 
     spread: {parameter name: (first, count, E)}; tensors that already hold count experts are kept.
     """
-    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    info = manifest_of(state)
     index = info.get("optimizer_index", {})
     opt = state.get("last_optimizer_state")
     model = dict(state["model"])
@@ -322,14 +360,14 @@ def rescale_iterator(state, world_size, path):
     fairseq's iterator state counts the batches one rank has taken in this epoch (n); the W ranks took
     n * W of the epoch's batches, which W' ranks reach at n * W / W'.
     """
-    info = state.get("extra_state", {}).get("moe_checkpoint") or {}
+    info = manifest_of(state)
     old = info.get("data_parallel_size")
     itr = state.get("extra_state", {}).get("train_iterator")
     if not old or old == world_size or not itr or not itr.get("iterations_in_epoch"):
         return state
     n = itr["iterations_in_epoch"]
     if n * old % world_size:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: written by {old} ranks after {n} batches each of epoch {itr['epoch']}; {world_size} "
             f"ranks cannot split those {n * old} batches evenly. Resume on a world size that divides "
             f"{n * old}, or start the epoch's data afresh with --reset-dataloader.")

@@ -49,6 +49,7 @@ EVAL_MODULES = (
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_ITEMS = 100_000  # a layer spec has tens of entries, not a memory bomb
+_MAX_TEXT = 100_000
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -57,12 +58,16 @@ def literal(text, *_ignored):
     (Extra arguments, the globals/locals an eval() call may pass, are ignored.)"""
     if not isinstance(text, str):
         raise TypeError(f"eval() arg 1 must be a string, not {type(text).__name__}")
+    if len(text) > _MAX_TEXT:
+        raise ValueError(f"{text[:60]!r}... ({len(text)} characters) is longer than any configuration value")
     try:
         return _value(ast.parse(text.strip(), mode="eval").body, text)
     except SyntaxError as e:
         raise ValueError(f"{text!r} is not a Python literal ({e.msg})") from None
     except (RecursionError, MemoryError):  # nested deeper than any config needs
         raise ValueError(f"{text[:60]!r}... is not a Python literal (nested too deeply)") from None
+    except (ArithmeticError, TypeError) as e:  # 1/0, an unhashable dict key, ...
+        raise ValueError(f"{text!r} is not a valid literal ({type(e).__name__}: {e})") from None
 
 
 def _value(node, text):
@@ -83,7 +88,8 @@ def _value(node, text):
         seq, times = (left, right) if isinstance(left, (list, tuple)) else (right, left)
         sequence_repeat = (isinstance(node.op, ast.Mult) and isinstance(seq, (list, tuple))
                            and type(times) is int and 0 <= len(seq) * times <= _MAX_ITEMS)
-        concat = isinstance(node.op, ast.Add) and type(left) is type(right) and isinstance(left, (list, tuple))
+        concat = (isinstance(node.op, ast.Add) and type(left) is type(right) and isinstance(left, (list, tuple))
+                  and len(left) + len(right) <= _MAX_ITEMS)
         if (isinstance(left, numbers) and isinstance(right, numbers)) or sequence_repeat or concat:
             return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.Name) and node.id in ("True", "False", "None"):

@@ -107,6 +107,32 @@ def test_generate_names_an_unreadable_shared_file(data_bin, trained_checkpoint, 
                       "--task", "moe_translation", "--gen-subset", "test", "--cpu"])
 
 
+@pytest.mark.parametrize("content", ["a list", "an empty dict", "a list named like a shared file",
+                                     "a set with a rank tensor of the wrong shape"])
+def test_readable_files_of_the_wrong_shape_are_named(trained_checkpoint, tmp_path, content):
+    """Files that torch.load reads but that are no fairseq checkpoint: one error naming the file, from
+    fairseq's loader (generate, interactive, eval-lm and the hub go through it)."""
+    from fairseq import checkpoint_utils
+
+    path = tmp_path / "x.pt"
+    if content == "a list":
+        torch.save([1, 2, 3], path)
+    elif content == "an empty dict":
+        torch.save({}, path)
+    elif content == "a list named like a shared file":
+        path = tmp_path / "x-shared.pt"
+        torch.save([1, 2, 3], path)
+    else:
+        base = make_set(trained_checkpoint, tmp_path, "x")
+        shard = torch.load(shards.rank_path(base, 1), weights_only=True)
+        name = next(iter(shard["model"]))
+        shard["model"][name] = torch.zeros(2)
+        torch.save(shard, shards.rank_path(base, 1))
+        path = tmp_path / "x-shared.pt"
+    with pytest.raises(CheckpointError, match=r"x(-shared)?\.pt|the checkpoint set .*/x-shared\.pt"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
 def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
     for source in (str(trained_checkpoint), make_set(trained_checkpoint, tmp_path / "set") + "-shared.pt"):
         with pytest.raises(CheckpointError, match=r"saved with 4 experts .*\(--moe-expert-count 2\)"):
@@ -115,21 +141,22 @@ def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
 
 
 def test_a_save_removes_what_a_killed_save_left(tmp_path):
-    """Stray temporaries of checkpoint files and sets whose rank-0 file is gone go at the next save (rank
-    0); sets being written, complete sets, other names and other suffixes stay."""
+    """Stray temporaries of checkpoint files and sets whose rank-0 file is gone go at the start of the next
+    save (rank 0); complete sets, other names and other suffixes stay."""
     from fairseq_moe.checkpoint import _remove_half_deleted_sets, _remove_stray_temporaries
 
     stale = ["checkpoint_last.pt.tmp", "checkpoint_1_4-rank-1.pt.tmp", "checkpoint3-shared.pt.tmp",
              "checkpoint.best_loss_3.21-rank-0.pt.tmp",
-             "checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-1.pt", "checkpoint_1_2-rank-3.pt"]
+             "checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-1.pt", "checkpoint_1_2-rank-3.pt",
+             "checkpoint_1_6-rank-1.pt"]  # rank 1's file of a save killed before rank 0 wrote
     kept = ["checkpoint_1_4-shared.pt", "checkpoint_1_4-rank-0.pt", "checkpoint_1_4-rank-1.pt",
-            "checkpoint_1_6-rank-1.pt",  # being written by rank 1 right now (in `written`)
+            "checkpoint_1_8-rank-0.pt",  # a save killed before its shared file: the load names what is missing
             "notes.pt.tmp", "mycheckpoint_last.pt.tmp", "checkpoint_last.pt", "model-rank-1.pt",
             "checkpoint_1_2-rank-1.pt.bak", "checkpoint_last-other-rank-1.pt"]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
     _remove_stray_temporaries(str(tmp_path), "")
-    _remove_half_deleted_sets(str(tmp_path), "", [str(tmp_path / "checkpoint_1_6")])
+    _remove_half_deleted_sets(str(tmp_path), "")
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
     # With --checkpoint-suffix -x only that run's names are its own.
@@ -164,3 +191,41 @@ def test_two_ranks_print_one_error_line_and_exit_2(data_bin, trained_checkpoint,
     assert "Traceback" not in log
     if case == "other expert count":
         assert "saved with 4 experts" in errors[0] and "--moe-expert-count 2" in errors[0]
+
+
+# fairseq-train in which rank 1 is slow to write one file: it waits, then records what the folder holds.
+SLOW_RANK_1 = """
+import json, os, sys, time
+from fairseq import checkpoint_utils
+seen, save = sys.argv[1], checkpoint_utils.torch_persistent_save
+def slow(obj, filename, *args, **kwargs):
+    if os.environ.get("RANK") == "1" and filename.endswith("checkpoint_1_3-rank-1.pt"):
+        time.sleep(3)  # without the barrier, rank 0 deletes the older set meanwhile
+        json.dump(sorted(os.listdir(os.path.dirname(filename))), open(seen, "w"))
+    return save(obj, filename, *args, **kwargs)
+checkpoint_utils.torch_persistent_save = slow
+from fairseq_cli.train import cli_main
+sys.argv = ["fairseq-train"] + sys.argv[2:]
+cli_main()
+"""
+
+
+@pytest.mark.slow
+def test_no_rank_deletes_an_old_set_before_every_rank_has_written(data_bin, tmp_path):
+    """--keep-interval-updates 1: the set of update 2 stays whole until every rank has written the set of
+    update 3, so a kill in between always leaves one complete interval set."""
+    import json
+
+    script, seen = tmp_path / "slow.py", tmp_path / "seen.json"
+    script.write_text(SLOW_RANK_1)
+    save = tmp_path / "save"
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", sys.executable, str(script),
+           str(seen), *train_argv(data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
+                                  "--keep-interval-updates", "1", "--max-tokens", "100")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    names = set(json.loads(seen.read_text()))
+    assert {"checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt", "checkpoint_1_2-rank-1.pt"} <= names, names
+    assert not any(n.startswith("checkpoint_1_2") for n in os.listdir(save))  # deleted after all wrote
+    assert shards.locate(str(save / "checkpoint_1_3.pt")) == ("set", str(save / "checkpoint_1_3"))

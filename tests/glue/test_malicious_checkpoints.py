@@ -263,7 +263,10 @@ def test_disguised_payloads_are_refused(state, tmp_path, marker, text):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("text", ["1" + "+1" * 1000, "-" * 10000 + "1"], ids=["sum-of-1001", "10000-minus"])
+@pytest.mark.parametrize("text", ["1" + "+1" * 1000, "-" * 10000 + "1", "1/0", "{[]: 1}",
+                                  "[0] * 100000 + [0] * 100000", "0" * 200_000],
+                         ids=["sum-of-1001", "10000-minus", "division-by-zero", "unhashable-key", "huge-list",
+                              "huge-text"])
 def test_deeply_nested_string_is_a_named_error(state, tmp_path, text):
     path = tmp_path / "deep.pt"
     torch.save(with_field(state, "model", FIELD, text), path)
