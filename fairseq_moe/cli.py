@@ -4,7 +4,12 @@ A FlagError or CheckpointError (errors.py) raised anywhere in fairseq-train, -ge
 -eval-lm, -validate or -hydra-train prints `PROG: error: MESSAGE` on stderr, like argparse does for a
 bad flag, once (rank 0; the other ranks, which meet the same error, stay silent), and exits with code 2.
 Every other exception keeps its traceback: it is a bug to report, not bad input.
+
+Under `python -m fairseq_moe.launch` every rank parses the same command line: on ranks other than 0 an
+argparse usage error (a bad flag value or choice) exits with code 2 silently, so the usage and the error
+are printed once, by rank 0, and not once per rank.
 """
+import argparse
 import functools
 import importlib
 import os
@@ -24,6 +29,8 @@ def install():
     for name in TOOLS:
         module = importlib.import_module(name)
         module.main = one_line_errors(module.main)
+    if os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0":  # set by launch.py for its ranks only
+        argparse.ArgumentParser.error = _exit_quietly
     hydra = sys.modules.get("fairseq_cli.hydra_train")  # loaded only by fairseq-hydra-train (importing
     if hydra is not None:                              # it warns about Hydra versions)
         hydra.pre_main = one_line_errors(hydra.pre_main)
@@ -44,3 +51,8 @@ def one_line_errors(main):
 
     wrapped.one_line_errors = True
     return wrapped
+
+
+def _exit_quietly(parser, message):
+    """ArgumentParser.error on a launched rank other than 0: rank 0 prints the same usage error."""
+    parser.exit(2)

@@ -7,7 +7,9 @@ ids; this launcher starts one process per rank with --distributed-no-spawn, gloo
 instead. On GPUs use fairseq's usual launch (or torchrun / Slurm): nothing of this is needed there.
 If a rank fails, the others are stopped, so that none waits forever in a collective. SIGTERM, SIGINT
 and SIGHUP sent to the launcher are passed on to every rank, so that none is left running as an orphan;
-ranks still running --grace-seconds after either are killed (SIGKILL).
+ranks still running --grace-seconds after either are killed (SIGKILL). Every rank parses the same
+command line, so a usage error (a bad flag) is printed by rank 0 alone (FAIRSEQ_MOE_LAUNCH_RANK, read by
+the plugin's cli.py), not once per rank.
 """
 import argparse
 import os
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 
+SETTLE_SECONDS = 5  # after a rank fails, before the others are stopped
 GRACE_SECONDS = 30  # default time ranks get to exit (and save) after a stop, before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -83,7 +86,7 @@ def main(argv=None):
         if received:
             break
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   LOCAL_WORLD_SIZE=str(args.nproc))
+                   LOCAL_WORLD_SIZE=str(args.nproc), FAIRSEQ_MOE_LAUNCH_RANK=str(rank))
         env.setdefault("OMP_NUM_THREADS", str(threads))
         procs.append(subprocess.Popen(cmd, env=env))
     return wait_all(procs, received, args.grace_seconds)
@@ -99,6 +102,11 @@ def wait_all(procs, received, grace):
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
+            # The others often meet the same error a moment later (rank 0 prints it): let them end
+            # on their own first; one left waiting in a collective is stopped after SETTLE_SECONDS.
+            settle = time.monotonic() + SETTLE_SECONDS
+            while any(p.poll() is None for p in procs) and time.monotonic() < settle and not received:
+                time.sleep(0.1)
             stop(procs, signal.SIGTERM, grace)
             return failed[0]
         if all(c == 0 for c in codes):

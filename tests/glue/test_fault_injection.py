@@ -229,3 +229,13 @@ def test_no_rank_deletes_an_old_set_before_every_rank_has_written(data_bin, tmp_
     assert {"checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt", "checkpoint_1_2-rank-1.pt"} <= names, names
     assert not any(n.startswith("checkpoint_1_2") for n in os.listdir(save))  # deleted after all wrote
     assert shards.locate(str(save / "checkpoint_1_3.pt")) == ("set", str(save / "checkpoint_1_3"))
+
+
+@pytest.mark.slow
+def test_a_usage_error_is_printed_by_rank_0_alone(data_bin, tmp_path):
+    """argparse's own errors (a value that is no int) come before the ranks know of each other: under the
+    launcher, only rank 0 prints the usage and the error."""
+    out = launch_2(data_bin, tmp_path, "--moe-expert-count", "abc")
+    errors = [line for line in (out.stdout + out.stderr).splitlines() if ": error: " in line]
+    assert out.returncode == 2
+    assert errors == ["fairseq-train: error: argument --moe-expert-count: invalid int value: 'abc'"]
