@@ -1,25 +1,26 @@
 """fairseq-moe: Mixture-of-Experts transformers as a fairseq plugin (`--user-dir fairseq_moe`).
 
-Importing the package registers its models, criterions and tasks with fairseq, registers the classes
-that fairseq checkpoints need for torch.load(weights_only=True), keeps checkpoint strings away from
-eval() (safe_eval.py), makes fairseq's tools print bad input as one line (cli.py), and applies compat.py's
-fixes to fairseq. The MoE layer itself, usable without fairseq, is fairseq_moe.moe.
+The one door to fairseq is load_plugin(): it registers the models, criterions and tasks (fairseq's
+registries) and installs the table of patches.py (every change to fairseq's own objects: checkpoints of
+MoE models, safe loading, one-line errors, fixes of fairseq 0.12). It runs when fairseq imports the
+plugin (--user-dir), that is when this package is imported with fairseq already loaded; a program that
+imports fairseq_moe first calls it itself. Importing the layer (fairseq_moe.moe) or kernels alone, without
+fairseq, changes nothing of fairseq's or torch's.
 """
-try:
-    import fairseq
-except ImportError:  # the layer alone (fairseq_moe.moe) needs only torch
-    fairseq = None
+import sys
 
-if fairseq is not None:
-    from . import cli, compat, safe_eval
-    from .checkpoint import install_expert_parallel_checkpointing, register_safe_globals
 
-    register_safe_globals()
-    safe_eval.install()
-    install_expert_parallel_checkpointing()
-    cli.install()
-    compat.apply()
+def load_plugin():
+    """Register with fairseq and install patches.py's table (idempotent)."""
+    from . import patches
+
     # Importing these modules registers them with fairseq.
     from .criterions import moe_cross_entropy  # noqa: F401
     from .models import moe_transformer, moe_transformer_lm  # noqa: F401
     from .tasks import moe_language_modeling, moe_translation  # noqa: F401
+
+    patches.apply()
+
+
+if sys.modules.get("fairseq") is not None:  # fairseq is loading us (--user-dir), or its program imported us
+    load_plugin()

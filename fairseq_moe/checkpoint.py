@@ -18,17 +18,21 @@
 import argparse
 import contextlib
 import glob
+import importlib
 import logging
 import os
 import re
 import shutil
 import time
+import weakref
+from dataclasses import dataclass
 from itertools import chain
+from typing import Optional
 
 import torch
 
 from . import expert_checkpoint as shards
-from . import safe_eval
+from . import patches, safe_eval
 from .errors import CheckpointError, FlagError, MissingCheckpointError
 
 SAFE_GLOBALS = [argparse.Namespace]
@@ -104,38 +108,15 @@ def check_supported(args, spread):
 
 
 @contextlib.contextmanager
-def _swapped(obj, name, value):
-    """obj.name = value for the duration of the block (an attribute it did not have is removed after)."""
-    had, old = hasattr(obj, name), getattr(obj, name, None)
-    setattr(obj, name, value)
+def overridden(cfg, key, value):
+    """cfg.key = value for the duration of the block: a value of the run's own config, for one call of
+    fairseq's (code objects are changed only through patches.py)."""
+    old = cfg[key]
+    cfg[key] = value
     try:
         yield
     finally:
-        if had:
-            setattr(obj, name, old)
-        else:
-            delattr(obj, name)
-
-
-class _CopySharedToo:
-    """fairseq's PathManager during a save of an MoE model. A copy (checkpoint_last, checkpoint_best, ...
-    from the save's first file) is written whole or not at all: to NAME.tmp, then renamed, so a kill
-    mid-copy leaves the previous file intact. With the experts spread, copying NAME-rank-R.pt copies the
-    set's shared file along (rank 0), so every copy is a whole set."""
-
-    def __init__(self, path_manager, master, written):
-        self._pm, self._master, self.written = path_manager, master, written
-
-    def __getattr__(self, name):
-        return getattr(self._pm, name)
-
-    def copy(self, src, dst, overwrite=False):
-        ok = _atomic_copy(src, dst, overwrite)
-        if self._master and ok:
-            ok = _atomic_copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)),
-                              overwrite)
-            self.written.append(shards.set_base(dst))
-        return ok
+        cfg[key] = old
 
 
 def _atomic_copy(src, dst, overwrite):
@@ -283,196 +264,254 @@ def requested_name(trainer, filename):
     return (name[:-3] + user_suffix + ".pt" if name.endswith(".pt") else name), False
 
 
-def install_expert_parallel_checkpointing():
-    """Patch fairseq's trainer and checkpoint_utils for sharded expert checkpoints (idempotent)."""
-    from fairseq import checkpoint_utils, trainer as trainer_module
+# ---- The hooks: fairseq's Trainer and checkpoint_utils functions, as patches.py installs them ----------
+
+_TRAINER, _CKPT = "fairseq.trainer:Trainer", "fairseq.checkpoint_utils"
+
+
+def _fairseq(attribute, target=_CKPT):
+    """fairseq's own function that our hook replaced (patches.original)."""
+    return patches.original(target, attribute)
+
+
+@dataclass
+class RunState:
+    """What the hooks keep for one Trainer: made with it (trainer_init), gone with it (a weak map).
+
+    spread: {expert parameter: (first, count, E)} of the experts spread over ranks ({}: one process);
+    reset_dataloader: set by load_checkpoint for the Trainer.load_checkpoint it calls (fine-tuning
+    restarts the data, so the saved position is neither used nor rescaled); None otherwise."""
+    spread: dict
+    reset_dataloader: Optional[bool] = None
+
+
+_RUNS = weakref.WeakKeyDictionary()
+
+
+def run_state(trainer):
+    if trainer not in _RUNS:  # (a Trainer made before the plugin loaded)
+        _RUNS[trainer] = RunState(spread=expert_params(trainer.get_model(), spread_only=True))
+    return _RUNS[trainer]
+
+
+def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
+    # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
+    spread = expert_params(model, spread_only=True)
+    check_supported(training_flags(cfg), spread=bool(spread))
+    _fairseq("__init__", _TRAINER)(self, cfg, task, model, criterion, *args, **kwargs)
+    _RUNS[self] = RunState(spread=spread)
+
+
+def _checkpoint_suffix(self):
+    base = _fairseq("checkpoint_suffix", _TRAINER).fget(self)
+    return f"{base}-rank-{self.data_parallel_rank}" if run_state(self).spread else base
+
+
+def _should_save(self):
+    return True if run_state(self).spread else _fairseq("should_save_checkpoint_on_current_rank", _TRAINER).fget(self)
+
+
+trainer_checkpoint_suffix = property(_checkpoint_suffix)
+trainer_should_save = property(_should_save)
+
+
+def trainer_state_dict(self):
+    """fairseq's state, plus what a later run at another world size needs: where each expert's
+    optimizer state sits, and the world size the data iterator's position counts batches for."""
+    state = _fairseq("state_dict", _TRAINER)(self)
+    experts = expert_params(self.get_model())
+    if experts:
+        state["extra_state"]["moe_checkpoint"] = {
+            "experts": {n: E for n, (_, _, E) in experts.items()},
+            "optimizer_index": _optimizer_index(self, experts),
+            "data_parallel_size": self.data_parallel_world_size, "saved_at": time.time()}
+    return state
+
+
+class SaveInProgress:
+    """One save_checkpoint of an MoE model, from its start to its end.
+
+    Stands in for fairseq's PathManager (copies: atomic; with the experts spread, a set's shared file is
+    copied along on rank 0, so checkpoint_last, checkpoint_best, ... are whole sets) and checkpoint_paths
+    (its first call after this rank wrote is where fairseq starts deleting old checkpoints: every rank
+    meets in a barrier there, so none deletes before all have written). save_id: drawn on rank 0, in
+    every file of the save; written: the sets rank 0 wrote or copied (for the clean-up)."""
+
+    def __init__(self, path_manager, list_checkpoints, master, save_id=None, barrier=None):
+        self._pm, self._list, self.master = path_manager, list_checkpoints, master
+        self.save_id, self.barrier, self.written = save_id, barrier, []
+        self.wrote = self.met = False
+
+    def __getattr__(self, name):  # the rest of PathManager
+        return getattr(self._pm, name)
+
+    def copy(self, src, dst, overwrite=False):
+        ok = _atomic_copy(src, dst, overwrite)
+        if self.barrier is not None and self.master and ok:
+            ok = _atomic_copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)),
+                              overwrite)
+            self.written.append(shards.set_base(dst))
+        return ok
+
+    def checkpoint_paths(self, *args, **kwargs):
+        if self.wrote:
+            self.meet()
+        return self._list(*args, **kwargs)
+
+    def meet(self):
+        if self.barrier is not None and not self.met:
+            self.barrier()
+        self.met = True
+
+
+_SAVES = weakref.WeakKeyDictionary()  # Trainer -> its SaveInProgress, for the length of save_checkpoint
+
+
+def trainer_save_checkpoint(self, filename, extra_state):
+    spread = run_state(self).spread
+    if not spread:
+        return _fairseq("save_checkpoint", _TRAINER)(self, filename, extra_state)
+    from fairseq import utils
+
+    save = _SAVES[self]
+    state = utils.move_to_cpu(self.state_dict())
+    state["extra_state"].update(extra_state)
+    experts = state["extra_state"]["moe_checkpoint"]  # from state_dict() above
+    W = self.data_parallel_world_size
+    info = shards.manifest(self.get_num_updates(), save.save_id, W, experts["experts"],
+                           experts["optimizer_index"], W)
+    shared, mine = shards.split(state, {n: (f, c) for n, (f, c, _) in spread.items()}, self.data_parallel_rank,
+                                info)
+    checkpoint_utils = importlib.import_module(_CKPT)
+    checkpoint_utils.torch_persistent_save(mine, filename)  # (asynchronous writes are refused with spread experts)
+    save.wrote = True
+    if self.is_data_parallel_master:
+        path = shards.shared_path(shards.set_base(filename))
+        checkpoint_utils.torch_persistent_save(shared, path)
+        save.written.append(shards.set_base(filename))
+        logger.info(f"Saved expert-parallel checkpoint {path} and {W} rank files")
+    return os.path.abspath(filename)
+
+
+def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+    """fairseq's save_checkpoint for MoE models: see SaveInProgress, _remove_stray_temporaries,
+    _remove_half_deleted_sets and _clean_up."""
+    fairseq_save = _fairseq("save_checkpoint")
+    if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
+        return fairseq_save(cfg, trainer, epoch_itr, val_loss)
     from fairseq.distributed import utils as dist_utils
 
-    Trainer = trainer_module.Trainer
-    if getattr(Trainer, "moe_shards", False):
-        return
-    save_checkpoint = checkpoint_utils.save_checkpoint
-    load_checkpoint = checkpoint_utils.load_checkpoint
-    suffix, should_save = Trainer.checkpoint_suffix.fget, Trainer.should_save_checkpoint_on_current_rank.fget
-    trainer_save, trainer_load, trainer_state = Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer.state_dict
-    trainer_init = Trainer.__init__
-
-    def init(self, cfg, task, model, criterion, *args, **kwargs):
-        # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
-        check_supported(training_flags(cfg), spread=bool(expert_params(model, spread_only=True)))
-        trainer_init(self, cfg, task, model, criterion, *args, **kwargs)
-
-    def spread_of(self):
-        if not hasattr(self, "_moe_spread"):
-            self._moe_spread = expert_params(self.get_model(), spread_only=True)
-        return self._moe_spread
-
-    def checkpoint_suffix(self):
-        base = suffix(self)
-        return f"{base}-rank-{self.data_parallel_rank}" if spread_of(self) else base
-
-    def should_save_on_this_rank(self):
-        return True if spread_of(self) else should_save(self)
-
-    def state_dict(self):
-        """fairseq's state, plus what a later run at another world size needs: where each expert's
-        optimizer state sits, and the world size the data iterator's position counts batches for."""
-        state = trainer_state(self)
-        experts = expert_params(self.get_model())
-        if experts:
-            state["extra_state"]["moe_checkpoint"] = {
-                "experts": {n: E for n, (_, _, E) in experts.items()},
-                "optimizer_index": _optimizer_index(self, experts),
-                "data_parallel_size": self.data_parallel_world_size, "saved_at": time.time()}
-        return state
-
-    def save_sharded(self, filename, extra_state):
-        spread = spread_of(self)
-        if not spread:
-            return trainer_save(self, filename, extra_state)
-        from fairseq import utils
-
-        state = utils.move_to_cpu(self.state_dict())
-        state["extra_state"].update(extra_state)
-        experts = state["extra_state"]["moe_checkpoint"]  # from state_dict() above
-        W = self.data_parallel_world_size
-        info = shards.manifest(self.get_num_updates(), self._moe_save_id, W, experts["experts"],
-                               experts["optimizer_index"], W)
-        shared, mine = shards.split(state, {n: (f, c) for n, (f, c, _) in spread.items()},
-                                    self.data_parallel_rank, info)
-        async_write = self.cfg.checkpoint.write_checkpoints_asynchronously
-        checkpoint_utils.torch_persistent_save(mine, filename, async_write=async_write)
-        getattr(self, "_moe_on_write", lambda: None)()
-        if self.is_data_parallel_master:
-            path = shards.shared_path(shards.set_base(filename))
-            checkpoint_utils.torch_persistent_save(shared, path, async_write=async_write)
-            self._moe_written.append(shards.set_base(filename))
-            logger.info(f"Saved expert-parallel checkpoint {path} and {self.data_parallel_world_size} "
-                        f"rank files")
-        return os.path.abspath(filename)
-
-    def save_checkpoint_sets(cfg, trainer, epoch_itr, val_loss):
-        if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
-            return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        spread, master = bool(spread_of(trainer)), trainer.is_data_parallel_master
-        if master:  # what a killed save left; no rank writes or deletes now
-            _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
-            if spread:
-                _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix)
-        if not spread:
-            return _save_then_delete(cfg, trainer, epoch_itr, val_loss, master=False, barrier=None)
+    checkpoint_utils = importlib.import_module(_CKPT)
+    spread, master = bool(run_state(trainer).spread), trainer.is_data_parallel_master
+    if master:  # what a killed save left; no rank writes or deletes now
+        _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
+        if spread:
+            _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix)
+    save = SaveInProgress(checkpoint_utils.PathManager, checkpoint_utils.checkpoint_paths, master)
+    if spread:
         os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
         group = trainer.data_parallel_process_group
         # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
         # (It also orders the clean-up above before any rank's write.)
-        trainer._moe_save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
-        before, trainer._moe_written = _rank0_files(cfg.save_dir), []
-        out = _save_then_delete(cfg, trainer, epoch_itr, val_loss, master,
-                                barrier=lambda: dist_utils.all_reduce(torch.zeros(1), group))
-        if master:
-            _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, trainer._moe_written)
-        return out
+        save.save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
+        save.barrier = lambda: dist_utils.all_reduce(torch.zeros(1), group)
+    before = _rank0_files(cfg.save_dir)
+    _SAVES[trainer] = save
+    try:
+        with patches.scoped(checkpoint_utils, "PathManager", save), \
+                patches.scoped(checkpoint_utils, "checkpoint_paths", save.checkpoint_paths):
+            out = fairseq_save(cfg, trainer, epoch_itr, val_loss)
+    finally:
+        del _SAVES[trainer]
+    save.meet()  # nothing was deleted: meet before rank 0's clean-up all the same
+    if master and spread:
+        _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, save.written)
+    return out
 
-    def _save_then_delete(cfg, trainer, epoch_itr, val_loss, master, barrier):
-        """fairseq's save_checkpoint with atomic copies; with a barrier, no rank deletes an old checkpoint
-        (--keep-*) before every rank has written all files of this save: a kill in between leaves the
-        previous set whole. fairseq deletes after its last copy, at its first checkpoint_paths() call
-        after writing; each rank makes the same calls, so all meet in the barrier once."""
-        copier = _CopySharedToo(checkpoint_utils.PathManager, master, getattr(trainer, "_moe_written", []))
-        state = {"written": False, "met": barrier is None}
-        list_checkpoints = checkpoint_utils.checkpoint_paths
 
-        def checkpoint_paths(*args, **kwargs):
-            if state["written"] and not state["met"]:
-                barrier()
-                state["met"] = True
-            return list_checkpoints(*args, **kwargs)
+def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+    """fairseq's loader, safe, for a single file or a set (fairseq-generate, -interactive, -eval-lm,
+    the hub, --finetune-from-model)."""
+    found = shards.resolve(path)
+    if found is None:
+        raise MissingCheckpointError(f"{path}: no such checkpoint (nor the set {shards.set_base(path)}-shared.pt "
+                                     f"+ rank files)")
+    logger.info("%s: loading %s", path, shards.describe(found))
+    return load_found(found, arg_overrides)
 
-        with _swapped(checkpoint_utils, "PathManager", copier), \
-                _swapped(checkpoint_utils, "checkpoint_paths", checkpoint_paths), \
-                _swapped(trainer, "_moe_on_write", lambda: state.update(written=True)):
-            out = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        if not state["met"]:
-            barrier()  # nothing was deleted: meet before rank 0's clean-up all the same
-        return out
 
-    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-        """fairseq's loader, safe, for a single file or a set (fairseq-generate, -interactive, -eval-lm,
-        the hub, --finetune-from-model)."""
-        found = shards.resolve(path)
-        if found is None:
-            raise MissingCheckpointError(f"{path}: no such checkpoint (nor the set {shards.set_base(path)}-shared.pt "
-                                         f"+ rank files)")
-        logger.info("%s: loading %s", path, shards.describe(found))
-        return load_found(found, arg_overrides)
+class LoadForRank:
+    """Trainer.load_checkpoint's reader (it stands in for checkpoint_utils.load_checkpoint_to_cpu for
+    that call): this rank's state of what was resolved, its experts only, the data position rescaled
+    to this world size."""
 
-    def load_sharded(self, filename, *args, **kwargs):
-        name, default = requested_name(self, filename)
-        found = shards.resolve(name)
-        if found is None:
-            if default:  # a first launch: fairseq starts afresh
-                return trainer_load(self, filename, *args, **kwargs)
-            raise MissingCheckpointError(f"--restore-file {name}: no such checkpoint")
-        if found[0] == "set":  # a set with a file missing or damaged is an error, never a fresh start
-            shards.check_set(found[1])
-        logger.info("%s: loading %s", name, shards.describe(found))
-        spread = spread_of(self)
-        ranges = {n: (f, f + c) for n, (f, c, _) in spread.items()}
-        experts = {n: E for n, (_, _, E) in expert_params(self.get_model()).items()}
-        reset_dataloader = getattr(self, "_moe_reset_dataloader", self.cfg.checkpoint.reset_dataloader)
+    def __init__(self, trainer, found, reset_dataloader):
+        self.found, self.reset_dataloader = found, reset_dataloader
+        self.spread = run_state(trainer).spread
+        self.world_size = trainer.data_parallel_world_size
+        self.experts = {n: E for n, (_, _, E) in expert_params(trainer.get_model()).items()}
 
-        def read(path, arg_overrides=None, load_on_all_ranks=False):
-            """This rank's state: its experts only, the data position rescaled to this world size."""
-            state = load_found(found, arg_overrides, want=ranges, experts=experts)
-            if spread:
-                state = shards.cut_for_rank(state, spread)
-            if not reset_dataloader:
-                state = shards.rescale_iterator(state, self.data_parallel_world_size, path)
-            return state
+    def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
+        ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
+        state = load_found(self.found, arg_overrides, want=ranges, experts=self.experts)
+        if self.spread:
+            with shards.laid_out(path):
+                state = shards.cut_for_rank(state, self.spread)
+        if not self.reset_dataloader:
+            state = shards.rescale_iterator(state, self.world_size, path)
+        return state
 
-        # With spread experts every rank reads its own (fairseq would broadcast rank 0's to all).
-        ckpt = self.cfg.checkpoint
-        path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # fairseq checks it exists
-        with _swapped(checkpoint_utils, "load_checkpoint_to_cpu", read), \
-                _swapped(ckpt, "load_checkpoint_on_all_dp_ranks", bool(spread) or ckpt.load_checkpoint_on_all_dp_ranks):
-            return trainer_load(self, path, *args, **kwargs)
 
-    def load_checkpoint_resolved(cfg, trainer, **passthrough_args):
-        """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
-        only as a set (or a single file) at this world size for a first launch, and would then start
-        --finetune-from-model / --continue-once over it instead of resuming."""
-        overrides, finetuning = {}, False
-        if cfg.restore_file == "checkpoint_last.pt":
-            last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
-            resumable = shards.locate(last) is not None  # the same answer on every rank
-            resets = (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters
-                      or cfg.reset_dataloader)
-            # (--finetune-from-model with --reset-* is fairseq's own error, raised on every rank.)
-            if resumable and not (cfg.finetune_from_model is not None and resets):
-                overrides = {"finetune_from_model": None, "continue_once": None}
-            finetuning = (not resumable and cfg.finetune_from_model is not None
-                          and getattr(cfg, "continue_once", None) is None)
-            if finetuning and not os.path.exists(cfg.finetune_from_model):
-                # fairseq checks that the path exists before it asks for it: point it at the set's
-                # shared file, which loads the whole set (like --restore-file NAME.pt does).
-                found = shards.locate(cfg.finetune_from_model)
-                if found is not None and found[0] == "set":
-                    overrides = {"finetune_from_model": shards.shared_path(found[1])}
-        # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
+def trainer_load_checkpoint(self, filename, *args, **kwargs):
+    fairseq_load = _fairseq("load_checkpoint", _TRAINER)
+    name, default = requested_name(self, filename)
+    found = shards.resolve(name)
+    if found is None:
+        if default:  # a first launch: fairseq starts afresh
+            return fairseq_load(self, filename, *args, **kwargs)
+        raise MissingCheckpointError(f"--restore-file {name}: no such checkpoint")
+    if found[0] == "set":  # a set with a file missing or damaged is an error, never a fresh start
+        shards.check_set(found[1])
+    logger.info("%s: loading %s", name, shards.describe(found))
+    run = run_state(self)
+    reset = self.cfg.checkpoint.reset_dataloader if run.reset_dataloader is None else run.reset_dataloader
+    ckpt = self.cfg.checkpoint
+    path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # fairseq checks it exists
+    # With spread experts every rank reads its own (fairseq would broadcast rank 0's to all).
+    with patches.scoped(importlib.import_module(_CKPT), "load_checkpoint_to_cpu", LoadForRank(self, found, reset)), \
+            overridden(ckpt, "load_checkpoint_on_all_dp_ranks", bool(run.spread) or ckpt.load_checkpoint_on_all_dp_ranks):
+        return fairseq_load(self, path, *args, **kwargs)
+
+
+def load_checkpoint(cfg, trainer, **passthrough_args):
+    """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
+    only as a set (or a single file) at this world size for a first launch, and would then start
+    --finetune-from-model / --continue-once over it instead of resuming."""
+    overrides, finetuning = {}, False
+    if cfg.restore_file == "checkpoint_last.pt":
+        last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
+        resumable = shards.locate(last) is not None  # the same answer on every rank
+        resets = (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters
+                  or cfg.reset_dataloader)
+        # (--finetune-from-model with --reset-* is fairseq's own error, raised on every rank.)
+        if resumable and not (cfg.finetune_from_model is not None and resets):
+            overrides = {"finetune_from_model": None, "continue_once": None}
+        finetuning = (not resumable and cfg.finetune_from_model is not None
+                      and getattr(cfg, "continue_once", None) is None)
+        if finetuning and not os.path.exists(cfg.finetune_from_model):
+            # fairseq checks that the path exists before it asks for it: point it at the set's
+            # shared file, which loads the whole set (like --restore-file NAME.pt does).
+            found = shards.locate(cfg.finetune_from_model)
+            if found is not None and found[0] == "set":
+                overrides = {"finetune_from_model": shards.shared_path(found[1])}
+    # Fine-tuning restarts the data; only then is the saved position not used (nor rescaled).
+    run = run_state(trainer)
+    run.reset_dataloader = cfg.reset_dataloader or finetuning
+    try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_swapped(trainer, "_moe_reset_dataloader", cfg.reset_dataloader or finetuning))
             for key, value in overrides.items():
                 if key in cfg:
-                    stack.enter_context(_swapped(cfg, key, value))
-            return load_checkpoint(cfg, trainer, **passthrough_args)
-
-    Trainer.__init__ = init
-    Trainer.checkpoint_suffix = property(checkpoint_suffix)
-    Trainer.should_save_checkpoint_on_current_rank = property(should_save_on_this_rank)
-    Trainer.state_dict = state_dict
-    Trainer.save_checkpoint = save_sharded
-    Trainer.load_checkpoint = load_sharded
-    Trainer.moe_shards = True
-    checkpoint_utils.save_checkpoint = save_checkpoint_sets
-    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
-    checkpoint_utils.load_checkpoint = load_checkpoint_resolved
+                    stack.enter_context(overridden(cfg, key, value))
+            return _fairseq("load_checkpoint")(cfg, trainer, **passthrough_args)
+    finally:
+        run.reset_dataloader = None

@@ -3,38 +3,20 @@
 A FlagError or CheckpointError (errors.py) raised anywhere in fairseq-train, -generate, -interactive,
 -eval-lm, -validate or -hydra-train prints `PROG: error: MESSAGE` on stderr, like argparse does for a
 bad flag, once (rank 0; the other ranks, which meet the same error, stay silent), and exits with code 2.
-Every other exception keeps its traceback: it is a bug to report, not bad input.
+Every other exception keeps its traceback: it is a bug to report, not bad input. (patches.py wraps
+each tool's main with one_line_errors when fairseq loads the plugin.)
 
 Under `python -m fairseq_moe.launch` every rank parses the same command line: on ranks other than 0 an
 argparse usage error (a bad flag value or choice) exits with code 2 silently, so the usage and the error
-are printed once, by rank 0, and not once per rank.
+are printed once, by rank 0, and not once per rank (exit_quietly, patches.py).
 """
-import argparse
 import functools
-import importlib
 import os
 import sys
 
 import torch.distributed as dist
 
 from .errors import CheckpointError, FlagError
-
-TOOLS = ("fairseq_cli.train", "fairseq_cli.generate", "fairseq_cli.interactive", "fairseq_cli.eval_lm",
-         "fairseq_cli.validate")
-
-
-def install():
-    """Wrap each tool's main (idempotent). cli_main looks `main` up when it calls it, so this takes
-    effect for the run that loads the plugin; fairseq-hydra-train holds train.main as pre_main."""
-    for name in TOOLS:
-        module = importlib.import_module(name)
-        module.main = one_line_errors(module.main)
-    if os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0":  # set by launch.py for its ranks only
-        argparse.ArgumentParser.error = _exit_quietly
-    hydra = sys.modules.get("fairseq_cli.hydra_train")  # loaded only by fairseq-hydra-train (importing
-    if hydra is not None:                              # it warns about Hydra versions)
-        hydra.pre_main = one_line_errors(hydra.pre_main)
-
 
 def one_line_errors(main):
     if getattr(main, "one_line_errors", False):
@@ -53,6 +35,6 @@ def one_line_errors(main):
     return wrapped
 
 
-def _exit_quietly(parser, message):
+def exit_quietly(parser, message):
     """ArgumentParser.error on a launched rank other than 0: rank 0 prints the same usage error."""
     parser.exit(2)

@@ -1,7 +1,8 @@
-"""Fixes for the fairseq 0.12 releases this plugin supports, applied when the plugin is imported.
+"""Fixes for the fairseq 0.12 releases this plugin supports (patches.py installs them when fairseq
+loads the plugin; they apply to dense models run with the plugin too: see the README).
 
-1. Dropped last batch (below). 2. Multi-rank resume under torch >= 2.6 (_broadcast_with_omegaconf).
-3. NumPy 2 (_numpy_1_view): language modelling and bucketed translation data.
+1. Dropped last batch (keep_last_batch, below). 2. Multi-rank resume under torch >= 2.6
+(broadcast_with_omegaconf). 3. NumPy 2 (NUMPY_1): language modelling and bucketed translation data.
 
 fairseq 0.12's data_utils.batch_by_size drops the last batch whenever its size is not a multiple of
 --required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
@@ -13,12 +14,9 @@ import types
 
 import numpy as np
 import torch
-from fairseq.data import data_utils, language_pair_dataset, token_block_dataset
-from fairseq.distributed import utils as distributed_utils
 
 
-
-def _keep_last_batch(batch_by_size):
+def keep_last_batch(batch_by_size):
     def wrapped(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
                 required_batch_size_multiple=1, fixed_shapes=None):
         if not isinstance(indices, np.ndarray):
@@ -31,26 +29,15 @@ def _keep_last_batch(batch_by_size):
             batches = list(batches) + [indices[covered:]]
         return batches
 
-    wrapped.keeps_last_batch = True
     return wrapped
-
-
-def apply():
-    if not getattr(data_utils.batch_by_size, "keeps_last_batch", False):
-        data_utils.batch_by_size = _keep_last_batch(data_utils.batch_by_size)
-    if not getattr(distributed_utils._broadcast_object_slow, "allows_omegaconf", False):
-        distributed_utils._broadcast_object_slow = _broadcast_with_omegaconf(
-            distributed_utils._broadcast_object_slow, _broadcast_globals())
-    if not hasattr(np, "compat"):
-        for module in (token_block_dataset, language_pair_dataset, data_utils):
-            if module.np is np:
-                module.np = _numpy_1_view()
 
 
 def _broadcast_globals():
     """What fairseq pickles when it broadcasts a loaded checkpoint from rank 0 to the others."""
     import collections
     import typing
+
+    from fairseq.distributed import utils as distributed_utils
 
     import omegaconf
     from omegaconf import nodes
@@ -63,18 +50,19 @@ def _broadcast_globals():
             dict, list, int, float, str, bool]  # builtins that OmegaConf's pickles name
 
 
-def _broadcast_with_omegaconf(broadcast_object_slow, allowed):
+def broadcast_with_omegaconf(broadcast_object_slow):
     """fairseq's resume on several ranks: rank 0 reads the checkpoint (weights_only=True) and
     broadcasts the state, in which fairseq has turned the config into an OmegaConf object; the other
     ranks unpickle it with torch.load, whose weights_only default (torch >= 2.6) refuses OmegaConf
     and fails every multi-rank resume. Allow exactly those config classes for this in-job transfer;
     checkpoint files stay loaded with the narrow list of checkpoint.py."""
 
+    allowed = _broadcast_globals()
+
     def wrapped(obj, src_rank, group, dist_device):
         with torch.serialization.safe_globals(allowed):
             return broadcast_object_slow(obj, src_rank, group, dist_device)
 
-    wrapped.allows_omegaconf = True
     return wrapped
 
 
@@ -94,3 +82,6 @@ def _numpy_1_view():
 
     view.percentile = percentile
     return view
+
+
+NUMPY_1 = _numpy_1_view()

@@ -7,8 +7,8 @@ passes torch.load(weights_only=True) could still run code. Two guards, both inst
 1. check_config(state, path), when a checkpoint is loaded: every field that fairseq evaluates
    (EVALUATED_FIELDS, found by reading fairseq 0.12's source; a test holds the list against it) must be
    a literal, or loading stops with an error naming the field.
-2. install(): in every fairseq module that calls eval() on configuration (EVAL_MODULES), the name
-   `eval` is bound to literal(), so a field missing from the list cannot run code either.
+2. in every fairseq module that calls eval() on configuration (EVAL_MODULES), the name `eval` is bound
+   to literal() (patches.py), so a field missing from the list cannot run code either.
 
 literal() reads what those fields legitimately hold: Python literals, plus the arithmetic of fconv's
 layer specs ("[(512, 3)] * 20 + [(1024, 3)]"). Names other than True/False/None, calls, attributes,
@@ -16,13 +16,10 @@ subscripts, lambdas and comprehensions are refused.
 """
 import argparse
 import ast
-import importlib
-import logging
 import operator
 
 from .errors import CheckpointError
 
-logger = logging.getLogger(__name__)
 
 EVALUATED_FIELDS = frozenset({
     "adafactor_eps", "adam_betas", "adamax_betas", "lamb_betas",  # optimizers
@@ -133,15 +130,3 @@ def _fields(node, where, depth=0):
             yield from _fields(value, f"{where}.{key}", depth + 1)
         else:
             yield f"{where}.{key}", value
-
-
-def install():
-    """Bind `eval` to literal() in each of EVAL_MODULES (idempotent). A module that does not import
-    in this fairseq build cannot run its eval() either."""
-    for name in EVAL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except Exception as e:  # e.g. optional dependencies of audio models
-            logger.debug("%s does not import (%s): nothing to guard", name, e)
-            continue
-        module.eval = literal

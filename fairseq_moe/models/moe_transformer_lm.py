@@ -4,32 +4,19 @@ Layer i (0-based) is MoE when (i + 1) % freq == 0, freq being --decoder-moe-freq
 Everything else (embeddings, adaptive input, positions, norms, the flags) is fairseq's transformer_lm,
 so `fairseq-eval-lm`, `fairseq-generate`/`-interactive` and the hub interface work as with it.
 """
-from contextlib import contextmanager
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models import transformer_lm as dense_lm
 from fairseq.models.transformer import TransformerDecoder
 
+from .. import patches
 from .moe_transformer import (MoEModelMixin, MoETransformerDecoder, add_moe_args, moe_base_architecture,
                               prepare_moe_build)
 
 
 class MoETransformerLMDecoder(MoETransformerDecoder, TransformerDecoder):
     """fairseq's LM decoder (TransformerDecoder, built from args) whose layers MoETransformerDecoder picks."""
-
-
-@contextmanager
-def _lm_decoder(cls):
-    """transformer_lm's build_model builds `TransformerDecoder` by name: let it build ours instead, so its
-    embedding and output choices stay fairseq's own rather than a copy of them. (A dense transformer_lm
-    built by another thread at the same moment would get ours too; fairseq builds models on one.)"""
-    dense = dense_lm.TransformerDecoder
-    dense_lm.TransformerDecoder = cls
-    try:
-        yield
-    finally:
-        dense_lm.TransformerDecoder = dense
 
 
 @register_model("moe_transformer_lm")
@@ -45,7 +32,11 @@ class MoETransformerLanguageModel(MoEModelMixin, dense_lm.TransformerLanguageMod
     @classmethod
     def build_model(cls, args, task):
         args = prepare_moe_build(args, ("decoder",))
-        with _lm_decoder(MoETransformerLMDecoder):
+        # transformer_lm's build_model builds `TransformerDecoder` by name: let it build ours instead, so its
+        # embedding and output choices stay fairseq's own rather than a copy of them. (A dense
+        # transformer_lm built by another thread at the same moment would get ours too; fairseq builds
+        # models on one.)
+        with patches.scoped(dense_lm, "TransformerDecoder", MoETransformerLMDecoder):
             model = super().build_model(args, task)
         return model.finish_moe(args)
 

@@ -1,5 +1,10 @@
 import pytest
 
+import fairseq_moe
+
+# What fairseq does when it loads the plugin (--user-dir): whatever test module imported fairseq_moe first.
+fairseq_moe.load_plugin()
+
 from .helpers import binarise_toy_corpus, binarise_toy_lm_corpus
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from fairseq.data import data_utils
 
-import fairseq_moe  # noqa: F401  (applies the fix)
+import fairseq_moe  # noqa: F401  (the plugin, loaded by conftest.py, installs the fixes)
 
 
 @pytest.mark.parametrize("use_vec", [False, True])

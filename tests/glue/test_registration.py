@@ -3,7 +3,7 @@ from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.tasks import TASK_REGISTRY
 
-import fairseq_moe  # noqa: F401
+import fairseq_moe  # noqa: F401  (loaded as a plugin by conftest.py)
 
 
 def test_everything_registered():

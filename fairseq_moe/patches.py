@@ -1,0 +1,176 @@
+"""Every change fairseq-moe makes to fairseq's (and torch's, argparse's) own objects, in one table.
+
+A fairseq plugin adds models, criterions and tasks through fairseq's registries; that needs no patch.
+What it cannot do through a registry is listed here: the target object, the attribute, what replaces
+it, why, since which fairseq release it is needed, and whether the replacement is permanent (apply(),
+when fairseq loads the plugin) or scoped (swapped in for one call by scoped(), then put back).
+Nothing else in the package assigns to an attribute of fairseq's: tests/glue/test_patches.py holds the
+table against what importing the plugin actually changes. (Values of the run's own config that a hook
+overrides for one call, such as --finetune-from-model when a set is to be resumed, are not patches:
+checkpoint.py sets them with overridden().)
+
+A replacement is named "module:attribute" of this package. With wraps=True it is a function that takes
+the original and returns the replacement (a wrapper); otherwise it is the replacement itself, and a
+replacement that needs the original asks original(target, attribute) for it.
+"""
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # a module ("fairseq.checkpoint_utils") or a class in one ("fairseq.trainer:Trainer")
+    attribute: str
+    replacement: str  # "fairseq_moe.module:name"
+    why: str
+    since: str = "0.12"  # the fairseq releases that need it
+    scoped: bool = False  # swapped in for one call only (scoped()), never by apply()
+    wraps: bool = False  # replacement(original) -> the new value
+    when: Optional[Callable[[], bool]] = None  # apply only where this holds (e.g. NumPy 2)
+
+
+def _numpy_2():
+    import numpy
+
+    return not hasattr(numpy, "compat")
+
+
+def _launched_rank_above_0():
+    import os
+
+    return os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0"
+
+
+_EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints: here eval reads literals "
+             "only, so no checkpoint string can run code (safe_eval.py)")
+_EVAL_MODULES = (  # safe_eval.EVAL_MODULES; written out so that the table is the whole story
+    "fairseq.utils", "fairseq.criterions.ctc", "fairseq.data.audio.raw_audio_dataset",
+    "fairseq.models.fconv", "fairseq.models.fconv_lm", "fairseq.models.fconv_self_att",
+    "fairseq.models.hubert.hubert", "fairseq.models.lightconv_lm", "fairseq.models.multires_hubert.multires_hubert",
+    "fairseq.models.speech_to_text.s2t_wav_transformer", "fairseq.models.transformer_lm",
+    "fairseq.models.wav2vec.wav2vec", "fairseq.models.wav2vec.wav2vec2",
+    "fairseq.optim.adafactor", "fairseq.optim.adam", "fairseq.optim.adamax", "fairseq.optim.cpu_adam",
+    "fairseq.optim.fused_lamb",
+)
+_CLI_WHY = "a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (cli.py)"
+_TRAINER = "fairseq.trainer:Trainer"
+_CKPT = "fairseq.checkpoint_utils"
+
+PATCHES = (
+    # Checkpoints of MoE models (checkpoint.py)
+    Patch(_TRAINER, "__init__", "fairseq_moe.checkpoint:trainer_init",
+          "refuse set-ups whose state cannot be cut per expert, from the whole config (hydra runs too)"),
+    Patch(_TRAINER, "checkpoint_suffix", "fairseq_moe.checkpoint:trainer_checkpoint_suffix",
+          "with the experts spread, every rank saves NAME-rank-R.pt (fairseq 0.12 saves on rank 0 only)"),
+    Patch(_TRAINER, "should_save_checkpoint_on_current_rank", "fairseq_moe.checkpoint:trainer_should_save",
+          "with the experts spread, every rank saves its experts"),
+    Patch(_TRAINER, "state_dict", "fairseq_moe.checkpoint:trainer_state_dict",
+          "the expert manifest: where each expert's optimizer state sits, the world size of the data position"),
+    Patch(_TRAINER, "save_checkpoint", "fairseq_moe.checkpoint:trainer_save_checkpoint",
+          "a set: NAME-rank-R.pt per rank and NAME-shared.pt (expert_checkpoint.py)"),
+    Patch(_TRAINER, "load_checkpoint", "fairseq_moe.checkpoint:trainer_load_checkpoint",
+          "the name resolved (set or file), a damaged set an error; each rank reads its own experts"),
+    Patch(_CKPT, "save_checkpoint", "fairseq_moe.checkpoint:save_checkpoint",
+          "copies of a set are whole sets, written atomically; no deletion before every rank wrote; "
+          "clean-up after a killed save"),
+    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:load_checkpoint_to_cpu",
+          "weights_only=True passed explicitly, checked config strings, named errors; sets"),
+    Patch(_CKPT, "load_checkpoint", "fairseq_moe.checkpoint:load_checkpoint",
+          "a run whose checkpoint_last exists only as a set (or another world size's) resumes"),
+    Patch(_CKPT, "PathManager", "fairseq_moe.checkpoint:SaveInProgress",
+          "copies during a save of an MoE model: atomic, and a set's shared file along", scoped=True),
+    Patch(_CKPT, "checkpoint_paths", "fairseq_moe.checkpoint:SaveInProgress",
+          "the barrier before fairseq's --keep-* deletions: no rank deletes before every rank wrote", scoped=True),
+    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
+          "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
+    Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoint:register_safe_globals",
+          "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",
+          since="0.12 with torch >= 2.6"),
+    # The LM (models/moe_transformer_lm.py)
+    Patch("fairseq.models.transformer_lm", "TransformerDecoder", "fairseq_moe.models.moe_transformer_lm:"
+          "MoETransformerLMDecoder", "transformer_lm's build_model builds its decoder class by name: ours, "
+          "for the duration of our build", scoped=True),
+    # fairseq 0.12 fixes (compat.py)
+    Patch("fairseq.data.data_utils", "batch_by_size", "fairseq_moe.compat:keep_last_batch",
+          "fairseq 0.12 drops the last batch when it is not a multiple of --required-batch-size-multiple "
+          "(generate skipped the longest sentences)", wraps=True),
+    Patch("fairseq.distributed.utils", "_broadcast_object_slow", "fairseq_moe.compat:broadcast_with_omegaconf",
+          "a multi-rank resume broadcasts an OmegaConf config, which torch >= 2.6's weights_only load refuses",
+          since="0.12 with torch >= 2.6", wraps=True),
+    *(Patch(f"fairseq.{m}", "np", "fairseq_moe.compat:NUMPY_1",
+            "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
+            since="0.12 with NumPy >= 2", when=_numpy_2)
+      for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
+    # No checkpoint string reaches eval() (safe_eval.py)
+    *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in _EVAL_MODULES),
+    # Bad input is one line (cli.py)
+    *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True)
+      for tool in ("train", "generate", "interactive", "eval_lm", "validate")),
+    Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True,
+          when=lambda: __import__("sys").modules.get("fairseq_cli.hydra_train") is not None),
+    Patch("argparse:ArgumentParser", "error", "fairseq_moe.cli:exit_quietly",
+          "under fairseq_moe.launch every rank parses the same command line: rank 0 alone prints a usage error",
+          when=_launched_rank_above_0),
+)
+
+_ABSENT = object()
+_originals = {}  # (target, attribute) -> the value apply() replaced (_ABSENT: there was none)
+
+
+def resolve(dotted):
+    """The object a "module" or "module:Class" names (imports the module)."""
+    module, _, name = dotted.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, name) if name else obj
+
+
+def apply():
+    """Install every permanent patch whose `when` holds (idempotent). fairseq_moe/__init__ calls it when
+    fairseq loads the plugin."""
+    for patch in PATCHES:
+        if patch.scoped or (patch.when is not None and not patch.when()) or (patch.target, patch.attribute) in _originals:
+            continue
+        if patch.attribute == "_safe_globals":  # torch's allowlist: added to, through its API
+            _originals[(patch.target, patch.attribute)] = _ABSENT
+            resolve(patch.replacement)()
+            continue
+        target = resolve(patch.target)
+        old = target.__dict__.get(patch.attribute, _ABSENT) if isinstance(target, type) else getattr(
+            target, patch.attribute, _ABSENT)
+        new = resolve(patch.replacement)
+        setattr(target, patch.attribute, new(old) if patch.wraps else new)
+        _originals[(patch.target, patch.attribute)] = old
+
+
+def original(target, attribute):
+    """What apply() replaced at target.attribute (for a replacement that calls through to it)."""
+    return _originals[(target, attribute)]
+
+
+def is_applied():
+    return bool(_originals)
+
+
+@contextlib.contextmanager
+def scoped(obj, attribute, value):
+    """obj.attribute = value for the duration of the block, then as it was (an attribute obj did not have
+    is removed after). Only for the table's scoped entries: obj's module, class or type is the target."""
+    names = {getattr(obj, "__name__", None),
+             f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}",
+             f"{type(obj).__module__}:{type(obj).__qualname__}"}
+    if not any(p.scoped and p.attribute == attribute and p.target in names for p in PATCHES):
+        raise AssertionError(f"{attribute} of {names} is not a scoped patch of fairseq_moe/patches.py")
+    had, old = hasattr(obj, attribute), getattr(obj, attribute, None)
+    setattr(obj, attribute, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, attribute, old)
+        else:
+            delattr(obj, attribute)
