@@ -8,7 +8,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "kernels", "kernels.*"]),
+    # The folder kernels/ installs as the package fairseq_moe_kernels: a top-level "kernels" would
+    # overwrite (or be overwritten by) Hugging Face's `kernels` package. In a checkout, the symlink
+    # fairseq_moe_kernels -> kernels gives the same import name.
+    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*"]) + ["fairseq_moe_kernels"],
+    package_dir={"fairseq_moe_kernels": "kernels"},
     install_requires=[
         "torch>=2.1",
         # fairseq 0.12.2 does not install on Python 3.11; ve-fairseq ships fairseq 0.12.3 for it.

@@ -38,7 +38,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository (fairseq_moe, ker
 from kernel_cases import (  # noqa: E402
     DTYPES, OPS, SKEWS, TOL, DenseFFNs, check_ops, compare, compare_router, first_output, fwd_bwd, layer_step,
     make_inputs, make_layer, no_grad, op_work)
-from kernels import backend  # noqa: E402
+from fairseq_moe_kernels import backend  # noqa: E402
 
 TARGETS = {"gmlp": 0.70, "bandwidth": 0.70, "layer": 1.3}
 GiB = 2**30

@@ -6,7 +6,7 @@
 auto is triton on a CUDA device when triton imports, torch everywhere else. An explicit triton that
 cannot run is an error that says why, never a silent fallback: a user who asked for the fused kernels
 should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
-only by ops("triton"), so `import kernels` works without triton.
+only by ops("triton"), so `import fairseq_moe_kernels` works without triton.
 """
 import os
 import types

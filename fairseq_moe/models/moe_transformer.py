@@ -17,7 +17,7 @@ from fairseq.models.transformer import TransformerDecoderBase, TransformerEncode
 from fairseq.models.transformer import transformer_legacy as dense
 from omegaconf import OmegaConf
 
-from kernels import backend as kernel_backend
+from fairseq_moe_kernels import backend as kernel_backend
 
 from ..errors import FlagError
 from ..moe import GATES, MoEConfig

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 from fractions import Fraction
 
-from kernels import backend as kernel_backends
+from fairseq_moe_kernels import backend as kernel_backends
 
 # The fairseq flag that sets each field, so that an error names what the user typed.
 FLAGS = {

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import reference
+from fairseq_moe_kernels import reference
 
 
 class Experts(nn.Module):
@@ -60,7 +60,7 @@ class Experts(nn.Module):
         return self.activation_dropout if self.training else 0.0
 
     def forward(self, rows, counts, ops=reference):
-        """rows: [N, d] sorted by expert, counts: [E] -> [N, d]. ops: the kernels (kernels.backend.ops)."""
+        """rows: [N, d] sorted by expert, counts: [E] -> [N, d]. ops: the kernels (fairseq_moe_kernels.backend.ops)."""
         return ops.grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation,
                                self.dropout_p())
 

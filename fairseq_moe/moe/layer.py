@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kernels import backend
+from fairseq_moe_kernels import backend
 
 from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
 from .config import MoEConfig

@@ -9,7 +9,7 @@ float rounding).
 import torch
 import torch.distributed as dist
 
-from kernels.reference import _fc1_act, _fc1_backward, _fc2, _fc2_backward, _recompute_a
+from fairseq_moe_kernels.reference import _fc1_act, _fc1_backward, _fc2, _fc2_backward, _recompute_a
 
 from .comm import block_transpose_index, exchange_counts
 

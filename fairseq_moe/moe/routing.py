@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from kernels.reference import sort_assignments
+from fairseq_moe_kernels.reference import sort_assignments
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Routing:
 def route(logits, top_k, capacity=None, router=None):
     """Top-k routing of logits[T, E] with GShard priority dropping.
 
-    router: None (torch ops here) or a fused op with the contract of kernels.reference.router.
+    router: None (torch ops here) or a fused op with the contract of fairseq_moe_kernels.reference.router.
 
     Priority: every token's first choice comes before any token's second choice, and so on;
     inside one choice rank, earlier tokens first. Weights: for k = 1 the raw router probability
@@ -43,7 +43,7 @@ def route(logits, top_k, capacity=None, router=None):
     if router is None:
         top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
         demand, order = sort_assignments(top_experts, E)
-    else:  # a fused kernel with kernels.reference.router's contract (raw probabilities)
+    else:  # a fused kernel with fairseq_moe_kernels.reference.router's contract (raw probabilities)
         top_probs, top_experts, demand, order = router(logits, top_k)
     # Assignment a = j * T + t is token t's j-th choice: this flat order is the priority order, and
     # order (sorted by expert, stable) keeps it inside each expert.

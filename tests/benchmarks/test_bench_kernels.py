@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from kernels import backend
+from fairseq_moe_kernels import backend
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 OPS = ("router", "permute", "unpermute", "gmlp", "moe_mlp")
@@ -129,7 +129,7 @@ def test_work_counts(bench):
 
 
 def test_count_calls_sees_namespace_and_module_calls(bench):
-    from kernels import reference
+    from fairseq_moe_kernels import reference
 
     count_calls = importlib.import_module("kernel_cases").count_calls  # beside the script, on its path
 

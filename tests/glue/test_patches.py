@@ -91,7 +91,7 @@ print(json.dumps({"changed": changed, "applied": applied,
 @pytest.mark.slow
 def test_the_layer_and_the_kernels_alone_change_nothing():
     code = SNAPSHOT + r"""
-import fairseq_moe.moe, kernels, kernels.backend
+import fairseq_moe.moe, fairseq_moe_kernels, fairseq_moe_kernels.backend
 from fairseq_moe.moe import MoELayer
 assert "fairseq" not in sys.modules  # the layer does not even import it
 import fairseq, fairseq.checkpoint_utils, fairseq.trainer, fairseq_cli.train, fairseq.models.transformer_lm

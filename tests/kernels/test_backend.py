@@ -1,7 +1,7 @@
 """kernels/backend.py: resolve() picks torch or triton per --moe-kernel-backend and device, and an
 explicit triton that cannot run is a ValueError naming the flag and the reason (no interpreter on
 CPU, triton not importable, an unsupported device); auto never errors and never picks the
-interpreter. ops() returns each backend's five ops. `import kernels` works with triton blocked and
+interpreter. ops() returns each backend's five ops. `import fairseq_moe_kernels` works with triton blocked and
 imports no triton module."""
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import backend, reference
+from fairseq_moe_kernels import backend, reference
 
 
 @pytest.fixture
@@ -78,8 +78,8 @@ def test_torch_ops_are_the_references():
 
 def test_triton_ops():
     pytest.importorskip("triton")
-    mlp = pytest.importorskip("kernels.triton_grouped_mlp")  # written separately
-    from kernels import triton_permute, triton_router
+    mlp = pytest.importorskip("fairseq_moe_kernels.triton_grouped_mlp")  # written separately
+    from fairseq_moe_kernels import triton_permute, triton_router
 
     ops = backend.ops("triton")
     assert (ops.router, ops.permute, ops.unpermute) == (
@@ -92,10 +92,10 @@ def test_import_kernels_without_triton():
     works, asking for triton says why, and importing kernels pulled in no triton module."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import kernels\n"
+        "import fairseq_moe_kernels as kernels\n"
         "assert kernels.backend.resolve('auto', 'cuda') == 'torch'\n"
         "assert kernels.backend.ops('torch').router is kernels.router\n"
-        "assert not [m for m in sys.modules if m.startswith('kernels.triton')]\n"
+        "assert not [m for m in sys.modules if m.startswith('fairseq_moe_kernels.triton')]\n"
         "try:\n"
         "    kernels.backend.resolve('triton', 'cuda')\n"
         "except ValueError as e:\n"
@@ -114,3 +114,16 @@ def test_dtype_decides_too():
     assert backend.resolve("torch", "cpu", torch.float64) == "torch"
     with pytest.raises(ValueError, match="--moe-kernel-backend triton runs fp16, bf16 and fp32 tensors"):
         backend.resolve("triton", "cpu", torch.float64)
+
+
+def test_installed_under_a_name_that_cannot_clash():
+    """setup.py installs kernels/ as fairseq_moe_kernels: a top-level `kernels` would overwrite Hugging
+    Face's package of that name (or be overwritten by it)."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files("fairseq-moe")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("fairseq-moe is not installed here (scripts/test.sh installs it)")
+    tops = {str(f).split("/")[0] for f in files or ()}
+    assert "fairseq_moe_kernels" in tops and "kernels" not in tops

@@ -4,7 +4,7 @@ output and the gradients of x, weights, w1, b1, w2, b2."""
 import pytest
 import torch
 
-from kernels import grouped_mlp, moe_mlp, permute, unpermute
+from fairseq_moe_kernels import grouped_mlp, moe_mlp, permute, unpermute
 
 
 def inputs(counts, T=11, d=7, f=9, dtype=torch.float64, seed=0):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import grouped_mlp, permute, unpermute
+from fairseq_moe_kernels import grouped_mlp, permute, unpermute
 
 ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from kernels import reference  # noqa: E402
-from kernels import triton_grouped_mlp as tri  # noqa: E402
+from fairseq_moe_kernels import reference  # noqa: E402
+from fairseq_moe_kernels import triton_grouped_mlp as tri  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ACTS = ["relu", "gelu", "silu"]
@@ -246,7 +246,7 @@ try:
 except (AssertionError, TypeError) as err:  # TypeError: abstract methods of another Triton's driver API
     print(err)
     sys.exit(3)
-from kernels import triton_grouped_mlp as tri, triton_permute as tp, triton_router as tr
+from fairseq_moe_kernels import triton_grouped_mlp as tri, triton_permute as tp, triton_router as tr
 assert tri._TUNE
 shared, every_config = {}, True
 

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import reference
+from fairseq_moe_kernels import reference
 
 # Without a GPU, Triton runs in its interpreter on CPU tensors (tests/conftest.py); with one, the same
 # fp32 tests run compiled on it.
@@ -31,7 +31,7 @@ GPU_TOL = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=
 @pytest.fixture(scope="module")
 def tp():
     pytest.importorskip("triton")
-    return importlib.import_module("kernels.triton_permute")
+    return importlib.import_module("fairseq_moe_kernels.triton_permute")
 
 
 def routed_index(T, k, layout, keep=1.0, seed=0):

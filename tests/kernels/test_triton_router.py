@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fairseq_moe.moe.routing import route
-from kernels.reference import router, sort_assignments
+from fairseq_moe_kernels.reference import router, sort_assignments
 
 # Without a GPU, Triton runs in its interpreter on CPU tensors (tests/conftest.py); with one, the same
 # fp32 tests run compiled on it.
@@ -37,7 +37,7 @@ GPU_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=
 @pytest.fixture(scope="module")
 def tr():
     pytest.importorskip("triton")
-    return importlib.import_module("kernels.triton_router")
+    return importlib.import_module("fairseq_moe_kernels.triton_router")
 
 
 def weights_given(logits, experts, score, renormalize):
