@@ -4,7 +4,8 @@ A FlagError or CheckpointError (errors.py) raised anywhere in fairseq-train, -ge
 -eval-lm, -validate or -hydra-train prints `PROG: error: MESSAGE` on stderr, like argparse does for a
 bad flag, once (rank 0; the other ranks, which meet the same error, stay silent), and exits with code 2.
 Every other exception keeps its traceback: it is a bug to report, not bad input. (patches.py wraps
-each tool's main with one_line_errors when fairseq loads the plugin.)
+each tool's main, and fairseq's call_main, which sets up the ranks, with one_line_errors when fairseq
+loads the plugin.)
 
 Under `python -m fairseq_moe.launch` every rank parses the same command line: on ranks other than 0 an
 argparse usage error (a bad flag value or choice) exits with code 2 silently, so the usage and the error
@@ -18,6 +19,14 @@ import torch.distributed as dist
 
 from .errors import CheckpointError, FlagError
 
+
+def _rank():
+    """This process's rank: the process group's, or before there is one the launcher's (RANK)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def one_line_errors(main):
     if getattr(main, "one_line_errors", False):
         return main
@@ -27,7 +36,7 @@ def one_line_errors(main):
         try:
             return main(*args, **kwargs)
         except (FlagError, CheckpointError) as e:
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            if _rank() == 0:
                 print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 

@@ -3,6 +3,7 @@ loads the plugin; they apply to dense models run with the plugin too: see the RE
 
 1. Dropped last batch (keep_last_batch, below). 2. Multi-rank resume under torch >= 2.6
 (broadcast_with_omegaconf). 3. NumPy 2 (NUMPY_1): language modelling and bucketed translation data.
+4. torchrun on CPU (torchrun_on_cpu).
 
 fairseq 0.12's data_utils.batch_by_size drops the last batch whenever its size is not a multiple of
 --required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
@@ -10,10 +11,13 @@ sentences (the score is computed on the rest) and training never sees the longes
 We keep that batch, as fairseq did before 0.12; batches stay within --max-tokens/--batch-size.
 """
 
+import os
 import types
 
 import numpy as np
 import torch
+
+from .errors import FlagError
 
 
 def keep_last_batch(batch_by_size):
@@ -85,3 +89,40 @@ def _numpy_1_view():
 
 
 NUMPY_1 = _numpy_1_view()
+
+
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def torchrun_on_cpu(infer_init_method):
+    """fairseq 0.12 under torchrun (or any launcher that sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+    RANK) on a machine without CUDA: fairseq keeps its world size of 1 unless --distributed-world-size
+    is given, so N ranks train N independent models into one save folder; and with the flag it divides
+    the rank by torch.cuda.device_count(), 0. Here the ranks join one job of WORLD_SIZE ranks through
+    the environment (env://), each process its own rank. NCCL and PyTorch DDP's device ids need CUDA:
+    without it, --distributed-backend gloo and --ddp-backend legacy_ddp are required, by name."""
+
+    def wrapped(cfg, force_distributed=False):
+        launched = all(key in os.environ for key in TORCHRUN_ENV)
+        if not launched or torch.cuda.device_count() > 0 or cfg.distributed_init_method is not None or cfg.tpu:
+            return infer_init_method(cfg, force_distributed)
+        world_size = int(os.environ["WORLD_SIZE"])
+        if cfg.distributed_world_size not in (1, world_size):
+            raise FlagError(f"--distributed-world-size {cfg.distributed_world_size} but the launcher started "
+                            f"WORLD_SIZE={world_size} ranks: leave the flag out, or make them agree")
+        if world_size == 1:
+            return infer_init_method(cfg, force_distributed)
+        wrong = [f"--{flag} {value}" for flag, value, ok in (
+            ("distributed-backend", cfg.distributed_backend, cfg.distributed_backend == "gloo"),
+            ("ddp-backend", cfg.ddp_backend, cfg.ddp_backend in ("legacy_ddp", "no_c10d")))
+            if not ok]
+        if wrong:
+            raise FlagError(f"{' and '.join(wrong)} cannot run without CUDA: with {world_size} CPU ranks add "
+                            f"--distributed-backend gloo --ddp-backend legacy_ddp")
+        cfg.distributed_init_method = "env://"
+        cfg.distributed_world_size = world_size
+        cfg.distributed_rank = int(os.environ["RANK"])
+        cfg.device_id = 0  # no CUDA device to pick
+        cfg.distributed_no_spawn = True  # the launcher made the processes
+
+    return wrapped

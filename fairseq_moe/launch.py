@@ -1,15 +1,19 @@
-"""Run a fairseq command on several CPU processes of this machine (gloo), one per rank.
+"""Run a fairseq command on several CPU processes of this machine, one per rank: torchrun's job, done
+the same way (the plugin's torchrun-on-CPU path, compat.torchrun_on_cpu), with a few conveniences.
 
     python -m fairseq_moe.launch --nproc 4 -- fairseq-train data-bin --user-dir fairseq_moe --cpu ...
+    torchrun --nproc-per-node 4 $(which fairseq-train) data-bin --user-dir fairseq_moe --cpu \
+        --distributed-backend gloo --ddp-backend legacy_ddp ...                        # the same job
 
-fairseq's own multi-process spawn assumes CUDA devices, and its default --ddp-backend passes device
-ids; this launcher starts one process per rank with --distributed-no-spawn, gloo and legacy_ddp
-instead. On GPUs use fairseq's usual launch (or torchrun / Slurm): nothing of this is needed there.
-If a rank fails, the others are stopped, so that none waits forever in a collective. SIGTERM, SIGINT
-and SIGHUP sent to the launcher are passed on to every rank, so that none is left running as an orphan;
-ranks still running --grace-seconds after either are killed (SIGKILL). Every rank parses the same
-command line, so a usage error (a bad flag) is printed by rank 0 alone (FAIRSEQ_MOE_LAUNCH_RANK, read by
-the plugin's cli.py), not once per rank.
+Each rank gets torchrun's environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK,
+LOCAL_WORLD_SIZE), --distributed-world-size, and gloo and legacy_ddp unless the command chooses.
+What it adds to torchrun: OMP_NUM_THREADS split over the ranks (oversubscribed cores slow training
+tenfold); if a rank fails, the others get SETTLE_SECONDS to end, then are stopped, so that none waits
+forever in a collective; SIGTERM, SIGINT and SIGHUP are passed on to every rank, so that none is left
+running as an orphan, and ranks still running --grace-seconds after either are killed (SIGKILL); every
+rank parses the same command line, so a usage error (a bad flag) is printed by rank 0 alone
+(FAIRSEQ_MOE_LAUNCH_RANK, read by the plugin's cli.py), not once per rank. On GPUs use torchrun or
+Slurm as usual: nothing of this is needed there.
 """
 import argparse
 import os
@@ -31,19 +35,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def rank_command(command, rank, nproc, port):
-    """The command of one rank: the user's, plus the distributed flags it did not set itself."""
+def rank_command(command, nproc):
+    """The command of every rank: the user's, plus the distributed flags it did not set itself."""
     given = set(a.split("=")[0] for a in command if a.startswith("--"))
-    extra = [
-        "--distributed-world-size", str(nproc), "--distributed-rank", str(rank),
-        "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn",
-    ]
+    extra = [] if "--distributed-world-size" in given else ["--distributed-world-size", str(nproc)]
     for flag, value in (("--distributed-backend", "gloo"), ("--ddp-backend", "legacy_ddp")):
         if flag not in given:
             extra += [flag, value]
-    for flag in ("--distributed-world-size", "--distributed-rank", "--distributed-init-method"):
+    for flag in ("--distributed-rank", "--distributed-init-method", "--distributed-port"):
         if flag in given:
-            raise ValueError(f"{flag} is set by fairseq_moe.launch; remove it from the command")
+            raise ValueError(f"{flag} is set by fairseq_moe.launch (through the environment); remove it")
     # A console script of this interpreter's environment first (the venv need not be on PATH).
     beside = os.path.join(os.path.dirname(sys.executable), command[0])
     program = beside if os.path.isfile(beside) else shutil.which(command[0]) or command[0]
@@ -70,7 +71,7 @@ def main(argv=None):
     port = args.port or free_port()
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
     try:
-        commands = [rank_command(command, r, args.nproc, port) for r in range(args.nproc)]
+        commands = [rank_command(command, args.nproc)] * args.nproc
     except ValueError as err:
         parser.error(str(err))
 
@@ -85,8 +86,9 @@ def main(argv=None):
     for rank, cmd in enumerate(commands):
         if received:
             break
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   LOCAL_WORLD_SIZE=str(args.nproc), FAIRSEQ_MOE_LAUNCH_RANK=str(rank))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
+                   FAIRSEQ_MOE_LAUNCH_RANK=str(rank))
         env.setdefault("OMP_NUM_THREADS", str(threads))
         procs.append(subprocess.Popen(cmd, env=env))
     return wait_all(procs, received, args.grace_seconds)

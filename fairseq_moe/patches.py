@@ -102,6 +102,9 @@ PATCHES = (
     Patch("fairseq.distributed.utils", "_broadcast_object_slow", "fairseq_moe.compat:broadcast_with_omegaconf",
           "a multi-rank resume broadcasts an OmegaConf config, which torch >= 2.6's weights_only load refuses",
           since="0.12 with torch >= 2.6", wraps=True),
+    Patch("fairseq.distributed.utils", "infer_init_method", "fairseq_moe.compat:torchrun_on_cpu",
+          "under torchrun on CPU fairseq 0.12 trains N independent models into one folder, or divides by "
+          "the CUDA device count (0)", wraps=True),
     *(Patch(f"fairseq.{m}", "np", "fairseq_moe.compat:NUMPY_1",
             "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
             since="0.12 with NumPy >= 2", when=_numpy_2)
@@ -111,6 +114,8 @@ PATCHES = (
     # Bad input is one line (cli.py)
     *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),
+    Patch("fairseq.distributed.utils", "call_main", "fairseq_moe.cli:one_line_errors",
+          _CLI_WHY + " (errors in setting up the ranks)", wraps=True),
     Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True,
           when=lambda: __import__("sys").modules.get("fairseq_cli.hydra_train") is not None),
     Patch("argparse:ArgumentParser", "error", "fairseq_moe.cli:exit_quietly",

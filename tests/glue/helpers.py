@@ -134,7 +134,7 @@ def run_train(argv):
     # new fairseq-train process would (else whether checkpoint_best is written depends on test order).
     if hasattr(checkpoint_utils.save_checkpoint, "best"):
         del checkpoint_utils.save_checkpoint.best
-    distributed_utils.call_main(cfg, unwrapped(train.main))
+    unwrapped(distributed_utils.call_main)(cfg, unwrapped(train.main))
 
 
 def assert_same_params(b, a):

@@ -85,3 +85,73 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
     assert_same_params(d["model"], torch.load(one / "checkpoint_last.pt", weights_only=True)["model"])
 
 
+
+
+def test_torchrun_environment_on_cpu(monkeypatch):
+    """Under torchrun on CPU the ranks join one job of WORLD_SIZE (fairseq 0.12 would train N independent
+    models, or divide by the CUDA device count); NCCL and PyTorch DDP are refused by name; a world size
+    that disagrees with the launcher's is refused."""
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.distributed import utils as distributed_utils
+    from omegaconf import OmegaConf
+
+    from fairseq_moe.errors import FlagError
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29555"), ("WORLD_SIZE", "2"), ("RANK", "1")):
+        monkeypatch.setenv(key, value)
+
+    def infer(**flags):
+        cfg = OmegaConf.structured(FairseqConfig()).distributed_training
+        for key, value in flags.items():
+            cfg[key] = value
+        distributed_utils.infer_init_method(cfg)
+        return cfg
+
+    cfg = infer(distributed_backend="gloo", ddp_backend="legacy_ddp")
+    assert (cfg.distributed_init_method, cfg.distributed_world_size, cfg.distributed_rank,
+            cfg.distributed_no_spawn) == ("env://", 2, 1, True)
+    with pytest.raises(FlagError, match="--distributed-backend nccl and --ddp-backend pytorch_ddp cannot run"):
+        infer()
+    with pytest.raises(FlagError, match="--distributed-world-size 4 but the launcher started WORLD_SIZE=2"):
+        infer(distributed_world_size=4, distributed_backend="gloo", ddp_backend="legacy_ddp")
+
+
+@pytest.mark.slow
+def test_torchrun_equals_the_launcher(data_bin, tmp_path):
+    """torchrun --nproc-per-node 2 fairseq-train ... --cpu, and two torchrun "nodes" of one rank each that
+    meet by c10d rendezvous: one expert-parallel job each, the same as python -m fairseq_moe.launch
+    --nproc 2 gives (bit for bit)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ("--max-update", "3", "--optimizer", "sgd", "--lr", "0.5", "--moe-expert-count", "4",
+            "--moe-capacity-factor", "0", "--dropout", "0", "--required-batch-size-multiple", "1")
+    gloo = ("--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
+    launched = subprocess.run(
+        [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
+         *train_argv(data_bin, tmp_path / "launch", *argv)], capture_output=True, text=True, env=env, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    bin_dir = os.path.dirname(sys.executable)
+    torchrun, train = os.path.join(bin_dir, "torchrun"), os.path.join(bin_dir, "fairseq-train")
+    one_node = [[torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), train,
+                 *train_argv(data_bin, tmp_path / "one_node", *argv), *gloo]]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    two_nodes = [[torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend",
+                  "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "moe", train,
+                  *train_argv(data_bin, tmp_path / "two_nodes", *argv), *gloo] for node in (0, 1)]
+    a = shards.assemble(str(tmp_path / "launch" / "checkpoint_last"))
+    for name, commands in (("one_node", one_node), ("two_nodes", two_nodes)):
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                 for c in commands]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), logs[0][-3000:]
+        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(tmp_path / "launch"))
+        b = shards.assemble(str(tmp_path / name / "checkpoint_last"))
+        torch.testing.assert_close(b["model"], a["model"], rtol=0, atol=0)
+        assert b["optimizer_history"][-1]["num_updates"] == 3
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
