@@ -197,14 +197,10 @@ def prepare_moe_build(args, sides):
     # fairseq-hydra-train the model's config has no --cpu: then a backend that cannot run fails at
     # the first forward, before any update.)
     on_gpu = torch.cuda.is_available() and not getattr(args, "cpu", False)
-    kernels = kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu")
-    if kernels == "triton" and args.moe_a2a_overlap_degree > 1:
-        # The overlapped pipeline (moe/pipeline.py) computes its chunks with the torch kernels.
-        if args.moe_kernel_backend == "triton":
-            raise FlagError("--moe-a2a-overlap-degree > 1 computes the experts with the torch kernels; "
-                             "it cannot be combined with --moe-kernel-backend triton")
-        logger.info("--moe-a2a-overlap-degree %d: the experts' chunks run the torch kernels",
-                    args.moe_a2a_overlap_degree)
+    try:
+        kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu")
+    except ValueError as e:  # names the flag and why
+        raise FlagError(str(e)) from None
     if (getattr(args, "quant_noise_pq", 0) or 0) > 0:
         raise FlagError("--quant-noise-pq is not supported with MoE layers: it would reach the dense layers "
                          "but not the experts, which hold most of the FFN weights")

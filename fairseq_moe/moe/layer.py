@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
         P, El = self.ep.size, self.ep.num_local_experts
         send = counts.view(P, El)  # rows for (destination rank, its local expert)
         if self.ep.overlap_degree > 1:
-            return pipelined_experts(rows, send, self.experts, self.ep, self.ep.overlap_degree)
+            return pipelined_experts(rows, send, self.experts, self.ep, self.ep.overlap_degree, ops)
         recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
         x = all_to_all(rows, send.sum(1), recv.sum(1), self.ep)  # (source, local expert) order
         order = block_transpose_index(recv)  # -> (local expert, source) order

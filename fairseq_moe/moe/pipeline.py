@@ -4,12 +4,10 @@
 parts; chunk c (part c of every block) travels while chunk c - 1 is computed, forward and
 backward, using asynchronous collectives. Each row still meets the same expert with the same
 weights, so outputs equal degree 1's; weight gradients are sums over the chunks (equal within
-float rounding).
+float rounding). Each chunk is computed by the layer's kernel backend, forward and backward.
 """
 import torch
 import torch.distributed as dist
-
-from fairseq_moe_kernels.reference import _fc1_act, _fc1_backward, _fc2, _fc2_backward, _recompute_a
 
 from .comm import block_transpose_index, exchange_counts
 
@@ -43,11 +41,16 @@ def _a2a(x, send, recv, group):
 
 
 class _Pipelined(torch.autograd.Function):
+    """Forward: chunk c's rows travel while chunk c - 1 is computed. Backward: the same for the
+    gradients, each chunk's backward being the kernel backend's own (autograd through its grouped MLP,
+    kept per chunk from the forward), so both backends run here as they do without overlap."""
+
     @staticmethod
-    def forward(ctx, rows, send, w1, b1, w2, b2, ep, activation, dropout_p, degree):
+    def forward(ctx, rows, send, w1, b1, w2, b2, ep, mlp, degree):
         send_c = chunk_counts(send, degree)  # [P, D, El]
         recv_c = exchange_counts(send_c, ep.group)  # [P source, D, El]
         index = chunk_index(send_c)
+        weights = [w.detach().requires_grad_(w.requires_grad) for w in (w1, b1, w2, b2)]
         out = torch.empty_like(rows)
         saved, pending = [], []
         inbound = _a2a(rows.index_select(0, index[0]), send_c[:, 0].sum(1), recv_c[:, 0].sum(1), ep.group)
@@ -58,53 +61,57 @@ class _Pipelined(torch.autograd.Function):
                 inbound = _a2a(rows.index_select(0, index[c + 1]), send_c[:, c + 1].sum(1),
                                recv_c[:, c + 1].sum(1), ep.group)
             order = block_transpose_index(recv_c[:, c])  # (source, expert) -> (expert, source)
-            x = x.index_select(0, order)
-            sizes = recv_c[:, c].sum(0).tolist()
-            a, act_saved, mask = _fc1_act(x, sizes, w1, b1, activation, dropout_p)
-            y = torch.empty_like(x).index_copy_(0, order, _fc2(a, sizes, w2, b2))
-            pending.append((c, *_a2a(y, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
-            saved.append((x, act_saved, mask, order, sizes))
+            x = x.index_select(0, order).requires_grad_(rows.requires_grad)
+            with torch.enable_grad():
+                y = mlp(x, recv_c[:, c].sum(0), *weights)  # [n_c, d], with its graph for backward
+            back = torch.empty_like(x).index_copy_(0, order, y.detach())
+            pending.append((c, *_a2a(back, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
+            saved.append((x, y, order))
         for c, back, work in pending:
             work.wait()
             out.index_copy_(0, index[c], back)
-        ctx.ep, ctx.activation, ctx.dropout_p = ep, activation, dropout_p
-        ctx.chunks, ctx.index, ctx.send_c, ctx.recv_c = saved, index, send_c, recv_c
-        ctx.save_for_backward(w1, w2)
+        ctx.ep, ctx.chunks, ctx.weights = ep, saved, weights
+        ctx.index, ctx.send_c, ctx.recv_c = index, send_c, recv_c
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        w1, w2 = ctx.saved_tensors
-        ep, index, send_c, recv_c = ctx.ep, ctx.index, ctx.send_c, ctx.recv_c
+        ep, index, send_c, recv_c, weights = ctx.ep, ctx.index, ctx.send_c, ctx.recv_c, ctx.weights
         grad_out = grad_out.contiguous()
         grad_rows = torch.empty_like(grad_out)
-        gw1, gb1 = torch.zeros_like(w1), w1.new_zeros(w1.shape[0], w1.shape[2])
-        gw2, gb2 = torch.zeros_like(w2), w2.new_zeros(w2.shape[0], w2.shape[2])
+        grads = [torch.zeros_like(w) for w in weights]
         pending = []
         degree = len(ctx.chunks)
         inbound = _a2a(grad_out.index_select(0, index[0]), send_c[:, 0].sum(1), recv_c[:, 0].sum(1), ep.group)
-        for c, (x, act_saved, mask, order, sizes) in enumerate(ctx.chunks):
+        for c, (x, y, order) in enumerate(ctx.chunks):
             g, work = inbound
             work.wait()
             if c + 1 < degree:
                 inbound = _a2a(grad_out.index_select(0, index[c + 1]), send_c[:, c + 1].sum(1),
                                recv_c[:, c + 1].sum(1), ep.group)
-            g = g.index_select(0, order)
-            a = _recompute_a(act_saved, mask, ctx.activation, ctx.dropout_p)
-            da, cw2, cb2 = _fc2_backward(a, g, sizes, w2, True, True)
-            gx, cw1, cb1 = _fc1_backward(x, act_saved, mask, da, sizes, w1, ctx.activation,
-                                         ctx.dropout_p, True, True, True)
-            for total, part in ((gw1, cw1), (gb1, cb1), (gw2, cw2), (gb2, cb2)):
-                total += part
+            wanted = [t for t in (x, *weights) if t.requires_grad]
+            got = iter(torch.autograd.grad(y, wanted, g.index_select(0, order), allow_unused=True)
+                       if wanted and y.requires_grad else ())
+            gx = next(got) if x.requires_grad else None
+            for total, w in zip(grads, weights):
+                part = next(got) if w.requires_grad else None
+                if part is not None:
+                    total += part
+            gx = torch.zeros_like(x) if gx is None else gx
             gx = torch.empty_like(gx).index_copy_(0, order, gx)
             pending.append((c, *_a2a(gx, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
         for c, back, work in pending:
             work.wait()
             grad_rows.index_copy_(0, index[c], back)
-        return grad_rows, None, gw1, gb1, gw2, gb2, None, None, None, None
+        ctx.chunks = None  # free the chunks' graphs
+        return (grad_rows, None, *(gw if w.requires_grad else None for gw, w in zip(grads, weights)),
+                None, None, None)
 
 
-def pipelined_experts(rows, send, experts, ep, degree):
-    """rows [N, d] sorted by global expert, send [P, El] -> expert outputs [N, d], same order."""
-    return _Pipelined.apply(rows, send, experts.w1, experts.b1, experts.w2, experts.b2, ep,
-                            experts.activation, experts.dropout_p(), degree)
+def pipelined_experts(rows, send, experts, ep, degree, ops):
+    """rows [N, d] sorted by global expert, send [P, El] -> expert outputs [N, d], same order.
+    ops: the kernel backend (fairseq_moe_kernels.backend.ops); its grouped MLP computes each chunk."""
+    def mlp(x, counts, w1, b1, w2, b2):
+        return ops.grouped_mlp(x, counts, w1, b1, w2, b2, experts.activation, experts.dropout_p())
+
+    return _Pipelined.apply(rows, send, experts.w1, experts.b1, experts.w2, experts.b2, ep, mlp, degree)

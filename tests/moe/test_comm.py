@@ -85,6 +85,13 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         assert torch.equal(getattr(spread.experts, name), getattr(full.experts, name)[lo:hi]), name
     assert torch.equal(spread.gate.weight, full.gate.weight)
 
+    calls = []
+    if kernel_backend == "triton":  # count the Triton grouped MLP's calls (the overlapped chunks use it)
+        from fairseq_moe_kernels import backend
+
+        ops = backend.ops("triton")
+        mlp = ops.grouped_mlp
+        ops.grouped_mlp = lambda *a, **kw: calls.append(1) or mlp(*a, **kw)
     g = torch.Generator().manual_seed(100 + rank)
     T = [0, 7, 13, 4][rank % 4] if capacity_factor else [5, 0, 9, 11][rank % 4]  # a rank with no tokens
     x = torch.randn(T, 6, generator=g, dtype=torch.float64).to(dtype)
@@ -104,6 +111,9 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         dist.all_reduce(grad)
         torch.testing.assert_close(getattr(spread.experts, name).grad, grad[lo:hi] / W,
                                    rtol=10 * tol, atol=tol)
+    if kernel_backend == "triton":
+        ops.grouped_mlp = mlp
+        assert len(calls) == overlap_degree  # one per chunk (the whole block when not overlapped)
 
 
 def _check_bad_split(rank, W):
@@ -126,6 +136,7 @@ CHECKS = {
         (_check_layer, (4, 2, 0.0, None, 3)),  # all-to-alls overlapped with compute, 3 chunks
         (_check_bad_split, ()),
         (_check_layer, (4, 2, 1.0, None, 1, "triton")),  # Triton kernels (interpreter) across ranks
+        (_check_layer, (4, 2, 0.0, None, 2, "triton")),  # ... and in the overlapped chunks
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
