@@ -25,13 +25,14 @@ from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
 
 logger = logging.getLogger(__name__)
+D = MoEConfig  # its field defaults are the defaults of the layer's flags
 
 
 def add_moe_args(parser, encoder=True):
     """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs).
     encoder=False: a decoder-only model (no --encoder-moe-freq)."""
     add = parser.add_argument
-    add("--moe-expert-count", type=int, metavar="E", help="experts per MoE layer")
+    add("--moe-expert-count", type=int, metavar="E", help=f"experts per MoE layer (default {D.num_experts})")
     add("--moe-freq", type=int, metavar="N",
         help="make every N-th layer MoE" + (" on both sides (0: none unless a side's own freq is set)"
                                            if encoder else " (0: none unless --decoder-moe-freq is set)"))
@@ -44,15 +45,18 @@ def add_moe_args(parser, encoder=True):
         help="every N-th decoder layer is MoE (0, the default: as --moe-freq)")
     add("--moe-expert-ffn-dim", type=int, metavar="F",
         help="hidden size of each expert (default: --encoder/decoder-ffn-embed-dim of the side)")
-    add("--moe-top-k", type=int, metavar="K", help="experts per token: 1 is Switch, 2 is GShard (default 2)")
+    add("--moe-top-k", type=int, metavar="K", help=f"experts per token: 1 is Switch, 2 is GShard (default {D.top_k})")
     add("--moe-top1-expert", action="store_true", help="alias of --moe-top-k 1 (fairseq's moe branch)")
     add("--moe-capacity-factor", type=float, metavar="CF",
-        help="training capacity per expert = ceil(CF * k * tokens / experts); 0 = dropless (default 1.0)")
+        help=f"training capacity per expert = ceil(CF * k * tokens / experts); 0 = dropless "
+             f"(default {D.capacity_factor})")
     add("--moe-eval-capacity-token-fraction", type=float, metavar="FR",
-        help="capacity at eval = ceil(FR * tokens); < 0: same as training; 0: dropless (default 0.25)")
-    add("--moe-gate", choices=sorted(GATES), help="the router (default linear)")
+        help=f"capacity at eval = ceil(FR * tokens); < 0: same as training; 0: dropless "
+             f"(default {D.eval_capacity_token_fraction})")
+    add("--moe-gate", choices=sorted(GATES), help=f"the router (default {D.gate})")
     add("--moe-gating-use-fp32", action="store_true",
-        help="compute the gate projection in fp32 under fp16/bf16 training (the default)")
+        help="compute the gate projection in fp32 under fp16/bf16 training"
+             + (" (the default)" if D.gate_fp32 else ""))
     add("--no-moe-gating-use-fp32", dest="moe_gating_use_fp32", action="store_false",
         help="compute the gate projection in the model dtype (softmax and top-k stay fp32)")
     add("--use-moe-pad-mask", action="store_true",
@@ -65,7 +69,7 @@ def add_moe_args(parser, encoder=True):
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
     add("--moe-kernel-backend", choices=kernel_backend.BACKENDS,
         help="kernels of the MoE layers: torch (PyTorch ops), triton (fused Triton kernels), "
-             "auto = triton on CUDA, torch elsewhere (default auto)")
+             f"auto = triton on CUDA, torch elsewhere (default {D.kernel_backend})")
 
 
 def moe_config(args, side):
@@ -82,7 +86,7 @@ def moe_config(args, side):
         model_dim=getattr(args, f"{side}_embed_dim"),
         ffn_dim=args.moe_expert_ffn_dim or getattr(args, f"{side}_ffn_embed_dim"),
         num_experts=args.moe_expert_count,
-        top_k=2 if top_k is None else top_k,
+        top_k=D.top_k if top_k is None else top_k,
         capacity_factor=args.moe_capacity_factor,
         eval_capacity_token_fraction=args.moe_eval_capacity_token_fraction,
         gate=args.moe_gate,
@@ -266,22 +270,26 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
         )
 
 
+# The layer's flags and their MoEConfig fields: their defaults are MoEConfig's (D), set here once.
+LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capacity_factor",
+               "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
+               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend"}
+
+
 def moe_base_architecture(args):
-    args.moe_expert_count = getattr(args, "moe_expert_count", 8)
+    for flag, name in LAYER_FLAGS.items():
+        setattr(args, flag, getattr(args, flag, getattr(D, name)))
+    # None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other).
+    args.moe_top_k = getattr(args, "moe_top_k", None)
+    args.moe_top1_expert = getattr(args, "moe_top1_expert", False)
+    args.moe_expert_ffn_dim = getattr(args, "moe_expert_ffn_dim", None)  # None: the side's ffn dim
+    # Where the MoE layers go and how their experts talk: the model's, not one layer's.
     args.moe_freq = getattr(args, "moe_freq", 2)
     args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 0)
     args.decoder_moe_freq = getattr(args, "decoder_moe_freq", 0)
-    args.moe_expert_ffn_dim = getattr(args, "moe_expert_ffn_dim", None)
-    args.moe_top_k = getattr(args, "moe_top_k", None)
-    args.moe_top1_expert = getattr(args, "moe_top1_expert", False)
-    args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.0)
-    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.25)
-    args.moe_gate = getattr(args, "moe_gate", "linear")
-    args.moe_gating_use_fp32 = getattr(args, "moe_gating_use_fp32", True)
     args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
     args.moe_a2a_local_size = getattr(args, "moe_a2a_local_size", None)
     args.moe_a2a_overlap_degree = getattr(args, "moe_a2a_overlap_degree", 1)
-    args.moe_kernel_backend = getattr(args, "moe_kernel_backend", "auto")
 
 
 @register_model_architecture("moe_transformer", "moe_transformer")

@@ -34,11 +34,12 @@ def _exact(x):
 
 @dataclass
 class MoEConfig:
-    """Settings of one MoE layer (see FLAGS for the fairseq flag behind each field)."""
+    """Settings of one MoE layer (see FLAGS for the fairseq flag behind each field). Its defaults are
+    the defaults of those flags: the fairseq glue reads them from here (models/moe_transformer.py)."""
 
     model_dim: int
     ffn_dim: int
-    num_experts: int
+    num_experts: int = 8
     top_k: int = 2
     # C = ceil(capacity_factor * k * T / E) in training; 0 means dropless (no token is dropped).
     capacity_factor: float = 1.0

@@ -150,3 +150,22 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     model = task.build_model(cfg.model)
     with pytest.raises(ValueError, match="--optimizer adafactor"):
         Trainer(cfg, task, model, criterion)
+
+
+def test_defaults_live_in_one_place():
+    """The layer flags' defaults are MoEConfig's; the criterion's are MoELossConfig's."""
+    import inspect
+    from argparse import Namespace
+
+    from fairseq_moe.criterions.moe_cross_entropy import MoELabelSmoothedCrossEntropyCriterion
+    from fairseq_moe.criterions.moe_loss import MoELossConfig
+    from fairseq_moe.models.moe_transformer import LAYER_FLAGS, moe_base_architecture
+    from fairseq_moe.moe import MoEConfig
+
+    args = Namespace()
+    moe_base_architecture(args)
+    assert {flag: getattr(args, flag) for flag in LAYER_FLAGS} == {
+        flag: getattr(MoEConfig, name) for flag, name in LAYER_FLAGS.items()}
+    params = inspect.signature(MoELabelSmoothedCrossEntropyCriterion).parameters
+    for name in ("moe_gate_loss_wt", "moe_gate_loss_combine_method", "moe_gate_loss_transform", "moe_z_loss_wt"):
+        assert params[name].default == getattr(MoELossConfig, name)
