@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from . import expert_checkpoint as shards
-from . import patches, safe_eval
+from . import patches, refusals, safe_eval
 from .errors import CheckpointError, FlagError, MissingCheckpointError
 
 SAFE_GLOBALS = [argparse.Namespace]
@@ -68,7 +68,7 @@ def _optimizer_index(trainer, names):
 
 
 def training_flags(cfg):
-    """fairseq's training config as one flat Namespace of flags (what check_supported reads), from the
+    """fairseq's training config as one flat Namespace of flags (what the refusals read), from the
     argparse Namespace or from the sectioned config fairseq-hydra-train and fairseq-train build."""
     if isinstance(cfg, argparse.Namespace):
         return cfg
@@ -82,29 +82,8 @@ def training_flags(cfg):
 
 
 def check_supported(args, spread):
-    """Training set-ups whose state cannot be cut per expert are refused before any update
-    (args: training_flags(cfg))."""
-    if not spread:
-        return
-    if (getattr(args, "fp16", False) or getattr(args, "bf16", False)) and not (
-            getattr(args, "memory_efficient_fp16", False) or getattr(args, "fp16_no_flatten_grads", False)):
-        raise FlagError("--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
-                         "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert")
-    if getattr(args, "write_checkpoints_asynchronously", False):
-        raise FlagError("--write-checkpoints-asynchronously is not supported with experts spread over ranks: "
-                        "a set's files must all be on disk before older sets are deleted")
-    if getattr(args, "store_ema", False):
-        raise FlagError("--store-ema is not supported with experts spread over ranks: the EMA copy would "
-                         "hold only this rank's experts")
-    if getattr(args, "ddp_backend", None) == "fully_sharded":
-        raise FlagError("--ddp-backend fully_sharded is not supported with experts spread over ranks")
-    if getattr(args, "zero_sharding", "none") != "none":
-        raise FlagError("--zero-sharding is not supported with experts spread over ranks: the optimizer "
-                         "state would be gathered on rank 0, which holds only its own experts")
-    if getattr(args, "optimizer", None) in ("adafactor", "composite"):
-        raise FlagError(f"--optimizer {args.optimizer} is not supported with experts spread over ranks: "
-                         f"its state cannot be saved per expert (adafactor's statistics of the expert "
-                         f"biases mix the experts); use adam, sgd, ...")
+    """The trainer-stage refusals (refusals.py) that need only the flags (args: training_flags(cfg))."""
+    refusals.check("trainer", refusals.Context(flags=args, spread=spread))
 
 
 @contextlib.contextmanager
@@ -297,7 +276,8 @@ def run_state(trainer):
 def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
     spread = expert_params(model, spread_only=True)
-    check_supported(training_flags(cfg), spread=bool(spread))
+    refusals.check("trainer", refusals.Context(flags=training_flags(cfg), spread=bool(spread), model=model,
+                                               criterion=criterion, task=cfg.get("task")))
     _fairseq("__init__", _TRAINER)(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
 

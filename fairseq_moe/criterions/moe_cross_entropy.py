@@ -12,7 +12,6 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from ..errors import FlagError
 from .moe_loss import MoELossConfig, add_moe_loss, check_moe_loss_config, reduce_moe_metrics
 
 
@@ -24,10 +23,7 @@ class MoECriterionMixin:
         self.moe_cfg = cfg
 
     def forward(self, model, sample, reduce=True):
-        if getattr(getattr(model, "decoder", None), "adaptive_softmax", None) is not None:
-            # The parent criterions read plain logits; fairseq's adaptive_loss has no router losses.
-            raise FlagError("--adaptive-softmax-cutoff cannot be trained with the MoE criterions "
-                             "(they need plain output logits); train the MoE model without adaptive softmax")
+        # (adaptive softmax, which these criterions cannot train, is refused before: refusals.py)
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         loss = add_moe_loss(self.moe_cfg, model, loss, sample_size, logging_output)
         return loss, sample_size, logging_output

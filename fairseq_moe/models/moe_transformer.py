@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from fairseq_moe_kernels import backend as kernel_backend
 
+from .. import refusals
 from ..errors import FlagError
 from ..moe import GATES, MoEConfig
 from ..moe.comm import expert_parallel
@@ -205,23 +206,8 @@ def prepare_moe_build(args, sides):
         kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu")
     except ValueError as e:  # names the flag and why
         raise FlagError(str(e)) from None
-    if (getattr(args, "quant_noise_pq", 0) or 0) > 0:
-        raise FlagError("--quant-noise-pq is not supported with MoE layers: it would reach the dense layers "
-                         "but not the experts, which hold most of the FFN weights")
-    if getattr(args, "scale_fc", False):
-        raise FlagError("--scale-fc (NormFormer's layer norm between fc1 and fc2) is not supported in "
-                         "MoE layers, whose experts compute fc1 and fc2 together")
-    if getattr(args, "offload_activations", False):
-        raise FlagError("--offload-activations is not supported with MoE layers (their checkpointing keeps "
-                         "the router losses in the graph and does not offload); use --checkpoint-activations")
     args.moe_ep = build_expert_parallel(args)
-    if args.moe_ep is not None:
-        for side in sides:
-            if getattr(args, f"moe_{side}_layer_ids") and (getattr(args, f"{side}_layerdrop", 0) or 0) > 0:
-                # Each rank draws its own layers to skip: an MoE layer skipped on one rank leaves the
-                # others waiting in its all-to-all forever.
-                raise FlagError(f"--{side}-layerdrop cannot be used with the experts spread over ranks "
-                                 f"(the ranks would skip different MoE layers and wait for each other)")
+    refusals.check("build", refusals.Context(flags=args, spread=args.moe_ep is not None))
     return args
 
 

@@ -4,8 +4,6 @@ from dataclasses import dataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..errors import FlagError
-from ..models.moe_ffn import moe_blocks
 from .expert_stats import ExpertStatsConfig, MoETaskMixin
 
 
@@ -22,15 +20,3 @@ class MoETranslationTask(MoETaskMixin, TranslationTask):
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
         self.init_moe_task(cfg)
-
-    def build_model(self, cfg, from_checkpoint=False):
-        model = super().build_model(cfg, from_checkpoint)
-        if self.cfg.eval_bleu and any(block.moe.ep is not None for _, block in moe_blocks(model)):
-            # Every MoE forward is then a collective, and beam search stops after a different
-            # number of steps on each rank: the ranks would wait for each other forever.
-            raise FlagError(
-                "--eval-bleu cannot run with the experts spread over several ranks (beam search "
-                "takes a different number of steps on each rank, and every MoE layer is a "
-                "collective); validate the loss here and score BLEU with fairseq-generate"
-            )
-        return model

@@ -102,10 +102,12 @@ def test_checkpoint_activations_keep_the_router_losses_in_the_graph(data_bin, tm
 
 
 def test_adaptive_softmax_refused_by_the_moe_criterions(lm_data_bin, tmp_path):
+    """Refused when fairseq builds its Trainer (before any update), not in every forward."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
     from .helpers import lm_train_argv
 
-    task, model, criterion, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--adaptive-softmax-cutoff", "10,20"))
-    task.load_dataset("valid")
-    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_sentences=4, seed=1)
+    task, model, criterion, args = build(lm_train_argv(lm_data_bin, tmp_path, "--adaptive-softmax-cutoff", "10,20"))
     with pytest.raises(ValueError, match="--adaptive-softmax-cutoff"):
-        criterion(model, next(iter(itr.next_epoch_itr(shuffle=False))))
+        Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)

@@ -1,0 +1,135 @@
+"""Every set-up the plugin refuses, in one table: what, the flags involved, the message, and why.
+
+A refusal is a combination of flags (and of where the run is: experts spread over ranks or not) that
+cannot work with MoE layers, or would silently do something else than the flags say. Each is checked
+once, before any update, at one of two stages:
+- "build": when the model is built, on every rank, from the model's flags (before any weight exists);
+- "trainer": when fairseq builds its Trainer, from the whole config (fairseq-hydra-train too), the model
+  and the criterion.
+Bad values of a single flag are not here: they are checked where the value is read (MoEConfig.validate
+for the layer, the task for --moe-stats-file, the criterion for the loss weights), and so are the
+launcher's (compat.torchrun_on_cpu: NCCL or PyTorch DDP without CUDA), which come before any config.
+tests/glue/test_refusals.py runs every entry with its example.
+"""
+import argparse
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import FlagError
+
+
+@dataclass
+class Context:
+    """Where the check runs: the flags (one flat Namespace), whether the experts are spread over
+    ranks, and at the trainer stage the model, the criterion and the task's config."""
+    flags: argparse.Namespace
+    spread: bool = False
+    model: object = None
+    criterion: object = None
+    task: object = None
+
+    def flag(self, name, default=None):
+        return getattr(self.flags, name, default)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    setup: str  # what is refused, in words
+    flags: tuple  # the flags involved
+    stage: str  # "build" or "trainer"
+    refused: Callable[[Context], bool]
+    message: str
+    why: str
+    example: dict = field(default_factory=dict)  # Context fields that trigger it (flags: a dict), for the test
+
+
+def _adaptive_softmax(ctx):
+    decoder = getattr(ctx.model, "decoder", None)
+    return getattr(decoder, "adaptive_softmax", None) is not None and hasattr(ctx.criterion, "moe_cfg")
+
+
+REFUSALS = (
+    Refusal("product quantization noise with MoE layers", ("--quant-noise-pq",), "build",
+            lambda c: (c.flag("quant_noise_pq", 0) or 0) > 0,
+            "--quant-noise-pq is not supported with MoE layers: it would reach the dense layers but not the "
+            "experts, which hold most of the FFN weights",
+            "fairseq applies it to nn.Linear modules; the experts are stacked weights",
+            {"flags": {"quant_noise_pq": 0.1}}),
+    Refusal("NormFormer's FFN layer norm in MoE layers", ("--scale-fc",), "build",
+            lambda c: bool(c.flag("scale_fc", False)),
+            "--scale-fc (NormFormer's layer norm between fc1 and fc2) is not supported in MoE layers, whose "
+            "experts compute fc1 and fc2 together",
+            "the norm would sit inside the fused expert computation",
+            {"flags": {"scale_fc": True}}),
+    Refusal("offloading activations of MoE layers", ("--offload-activations",), "build",
+            lambda c: bool(c.flag("offload_activations", False)),
+            "--offload-activations is not supported with MoE layers (their checkpointing keeps the router "
+            "losses in the graph and does not offload); use --checkpoint-activations",
+            "MoE layers use torch's non-reentrant checkpoint, so that the router losses keep their gradients",
+            {"flags": {"offload_activations": True}}),
+    *(Refusal(f"LayerDrop in the {side} with spread experts", (f"--{side}-layerdrop",), "build",
+              (lambda side: lambda c: c.spread and bool(c.flag(f"moe_{side}_layer_ids"))
+               and (c.flag(f"{side}_layerdrop", 0) or 0) > 0)(side),
+              f"--{side}-layerdrop cannot be used with the experts spread over ranks (the ranks would skip "
+              f"different MoE layers and wait for each other)",
+              "each rank draws its own layers to skip; an MoE layer is an all-to-all of every rank",
+              {"spread": True, "flags": {f"moe_{side}_layer_ids": [1], f"{side}_layerdrop": 0.2}})
+      for side in ("encoder", "decoder")),
+    Refusal("fp16/bf16 with a flat optimizer state and spread experts", ("--fp16", "--bf16"), "trainer",
+            lambda c: c.spread and bool(c.flag("fp16", False) or c.flag("bf16", False)) and not (
+                c.flag("memory_efficient_fp16", False) or c.flag("fp16_no_flatten_grads", False)),
+            "--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
+            "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert",
+            "a set saves each expert's optimizer state in its rank's file",
+            {"spread": True, "flags": {"fp16": True}}),
+    Refusal("asynchronous checkpoint writes with spread experts", ("--write-checkpoints-asynchronously",),
+            "trainer", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
+            "--write-checkpoints-asynchronously is not supported with experts spread over ranks: a set's files "
+            "must all be on disk before older sets are deleted",
+            "no rank deletes an old checkpoint before every rank has written the new set",
+            {"spread": True, "flags": {"write_checkpoints_asynchronously": True}}),
+    Refusal("an EMA copy with spread experts", ("--store-ema",), "trainer",
+            lambda c: c.spread and bool(c.flag("store_ema", False)),
+            "--store-ema is not supported with experts spread over ranks: the EMA copy would hold only this "
+            "rank's experts",
+            "fairseq's EMA is saved from rank 0",
+            {"spread": True, "flags": {"store_ema": True}}),
+    Refusal("fully sharded data parallel with spread experts", ("--ddp-backend",), "trainer",
+            lambda c: c.spread and c.flag("ddp_backend") == "fully_sharded",
+            "--ddp-backend fully_sharded is not supported with experts spread over ranks",
+            "FSDP would shard the experts a second time, across ranks that hold different experts",
+            {"spread": True, "flags": {"ddp_backend": "fully_sharded"}}),
+    Refusal("ZeRO optimizer sharding with spread experts", ("--zero-sharding",), "trainer",
+            lambda c: c.spread and c.flag("zero_sharding", "none") != "none",
+            "--zero-sharding is not supported with experts spread over ranks: the optimizer state would be "
+            "gathered on rank 0, which holds only its own experts",
+            "each rank's experts have their own optimizer state",
+            {"spread": True, "flags": {"zero_sharding": "os"}}),
+    Refusal("an optimizer state that mixes the experts, with spread experts", ("--optimizer",), "trainer",
+            lambda c: c.spread and c.flag("optimizer") in ("adafactor", "composite"),
+            "--optimizer {optimizer} is not supported with experts spread over ranks: its state cannot be saved "
+            "per expert (adafactor's statistics of the expert biases mix the experts); use adam, sgd, ...",
+            "a set cuts the optimizer state along the expert dimension",
+            {"spread": True, "flags": {"optimizer": "adafactor"}}),
+    Refusal("BLEU during validation with spread experts", ("--eval-bleu",), "trainer",
+            lambda c: c.spread and bool(getattr(c.task, "eval_bleu", False)),
+            "--eval-bleu cannot run with the experts spread over several ranks (beam search takes a different "
+            "number of steps on each rank, and every MoE layer is a collective); validate the loss here and "
+            "score BLEU with fairseq-generate",
+            "the ranks would wait for each other forever",
+            {"spread": True, "task": argparse.Namespace(eval_bleu=True)}),
+    Refusal("adaptive softmax with the MoE criterions", ("--adaptive-softmax-cutoff", "--criterion"), "trainer",
+            _adaptive_softmax,
+            "--adaptive-softmax-cutoff cannot be trained with the MoE criterions (they need plain output "
+            "logits); train the MoE model without adaptive softmax",
+            "the parent criterions read plain logits; fairseq's adaptive_loss has no router losses",
+            {"model": argparse.Namespace(decoder=argparse.Namespace(adaptive_softmax=object())),
+             "criterion": argparse.Namespace(moe_cfg=None)}),
+)
+
+
+def check(stage, ctx):
+    """Raise FlagError for the first refusal of `stage` that applies to ctx."""
+    for refusal in REFUSALS:
+        if refusal.stage == stage and refusal.refused(ctx):
+            raise FlagError(refusal.message.format(**vars(ctx.flags)))

@@ -1,0 +1,27 @@
+"""Every refusal of refusals.py, with its example: the example is refused with a message that names the
+refusal's flags, and without the trigger (one process, or the flag at its default) it is not."""
+import argparse
+
+import pytest
+
+from fairseq_moe import refusals
+from fairseq_moe.errors import FlagError
+
+
+def context(example):
+    ex = dict(example)
+    return refusals.Context(flags=argparse.Namespace(**ex.pop("flags", {})), **ex)
+
+
+@pytest.mark.parametrize("refusal", refusals.REFUSALS, ids=lambda r: r.setup)
+def test_every_refusal(refusal):
+    assert refusal.stage in ("build", "trainer") and refusal.why and refusal.flags
+    with pytest.raises(FlagError) as err:
+        refusals.check(refusal.stage, context(refusal.example))
+    assert str(err.value) == refusal.message.format(**refusal.example.get("flags", {}))
+    assert any(flag in str(err.value) for flag in refusal.flags)
+    # The same flags with nothing else: refused only where the set-up needs the experts spread.
+    quiet = dict(refusal.example, spread=False)
+    if refusal.example.get("spread"):
+        refusals.check(refusal.stage, context(quiet))
+    refusals.check(refusal.stage, refusals.Context(flags=argparse.Namespace()))  # defaults: nothing refused
