@@ -13,46 +13,14 @@ from torch import nn
 
 from fairseq_moe.moe import MoEConfig, MoELayer
 from fairseq_moe.moe.experts import Experts
+from fairseq_moe_kernels.backend import OPS as BACKEND_OPS
+from fairseq_moe_kernels.cases import CASES, SKEWS, make_inputs  # noqa: F401  (bench_kernels imports them here)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative Frobenius error
-SKEWS = (0.0, 0.5, 1.0)  # input set s adds a per-expert logit bias of std SKEWS[s % 3]: load imbalance
-
-
-def make_inputs(ref, E, T, d, k, dtype, device, seed, empty_expert=False):
-    """One input set: tokens and a routing by the torch router, so that every backend sees the same."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(T, E, generator=g, device=device)  # [T, E] fp32
-    logits += SKEWS[seed % len(SKEWS)] * torch.randn(E, generator=g, device=device)
-    if empty_expert:
-        logits[:, 0] -= 30  # expert 0 gets no row
-    with torch.no_grad():
-        weights, _, counts, order = ref.router(logits, k, renormalize=k > 1)  # [T, k], [E], [N]
-    x = torch.randn(T, d, generator=g, device=device, dtype=dtype)
-    I = {"T": T, "k": k, "counts": counts, "token_index": order % T,  # [N]: a = j*T + t is token t
-         "logits": logits, "x": x, "rows": x[order % T],  # rows: [N, d], sorted by expert
-         "row_weights": weights.t().reshape(-1)[order]}  # [N] fp32, the weight of each sorted row
-    for n in ("logits", "x", "rows", "row_weights"):
-        I[n].requires_grad_()
-    return I
-
-
-def _w(I):
-    return I["w1"], I["b1"], I["w2"], I["b2"]
-
-
-# name -> (call(ops, inputs, activation), names of its differentiable inputs)
-OPS = {
-    "router": (lambda o, I, a: o.router(I["logits"], I["k"], renormalize=I["k"] > 1), ("logits",)),
-    "permute": (lambda o, I, a: o.permute(I["x"], I["token_index"]), ("x",)),
-    "unpermute": (lambda o, I, a: o.unpermute(I["rows"], I["token_index"], I["row_weights"], I["T"]),
-                  ("rows", "row_weights")),
-    "gmlp": (lambda o, I, a: o.grouped_mlp(I["rows"], I["counts"], *_w(I), a, 0.0),
-             ("rows", "w1", "b1", "w2", "b2")),
-    "moe_mlp": (lambda o, I, a: o.moe_mlp(I["x"], I["token_index"], I["row_weights"], I["counts"], *_w(I), a,
-                                          0.0),
-                ("x", "row_weights", "w1", "b1", "w2", "b2")),
-}
+# name -> (call(ops, inputs, activation), names of its differentiable inputs): the shared cases of
+# fairseq_moe_kernels/cases.py (kernels/cases.py), under the names the benchmark reports ("gmlp").
+OPS = {("gmlp" if op == "grouped_mlp" else op): case for op, case in CASES.items()}
 
 
 def op_work(E, T, d, f, k, elt):
@@ -260,7 +228,7 @@ def count_calls(ops):
     Wraps them where a caller finds them at call time: on the namespace and in their own module.
     """
     calls, undo = {}, []
-    for op in ("router", "permute", "unpermute", "grouped_mlp", "moe_mlp") if ops is not None else ():
+    for op in BACKEND_OPS if ops is not None else ():
         fn = getattr(ops, op)
 
         def counted(*a, _fn=fn, _op=op, **kw):

@@ -8,6 +8,7 @@ cannot run is an error that says why, never a silent fallback: a user who asked 
 should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
 only by ops("triton"), so `import fairseq_moe_kernels` works without triton.
 """
+import importlib
 import os
 import types
 from functools import lru_cache
@@ -65,23 +66,23 @@ def resolve(name, device, dtype=None):
     return "triton"
 
 
+# The ops of the layer and the Triton module of each; reference.py has them all, with the same signatures.
+# Adding a kernel: its reference, its Triton file, one entry here, one case in cases.py.
+OPS = {
+    "router": "triton_router",
+    "permute": "triton_permute",
+    "unpermute": "triton_permute",
+    "grouped_mlp": "triton_grouped_mlp",
+    "moe_mlp": "triton_grouped_mlp",
+}
+
+
 @lru_cache(maxsize=None)
 def ops(name):
-    """Namespace of the ops of a resolved backend: router, permute, unpermute, grouped_mlp, moe_mlp."""
-    if name == "torch":
-        mods = (reference, reference, reference)
-    elif name == "triton":
-        from . import triton_grouped_mlp, triton_permute, triton_router
-
-        mods = (triton_router, triton_permute, triton_grouped_mlp)
-    else:
+    """Namespace of the ops (OPS) of a resolved backend, "torch" or "triton"."""
+    if name not in ("torch", "triton"):
         raise ValueError(f"ops() takes a resolved backend, 'torch' or 'triton' (see resolve()), got {name!r}")
-    router_mod, permute_mod, mlp_mod = mods
-    return types.SimpleNamespace(
-        name=name,
-        router=router_mod.router,
-        permute=permute_mod.permute,
-        unpermute=permute_mod.unpermute,
-        grouped_mlp=mlp_mod.grouped_mlp,
-        moe_mlp=mlp_mod.moe_mlp,
-    )
+    if name == "torch":
+        return types.SimpleNamespace(name=name, **{op: getattr(reference, op) for op in OPS})
+    modules = {m: importlib.import_module(f"{__package__}.{m}") for m in set(OPS.values())}  # imports triton
+    return types.SimpleNamespace(name=name, **{op: getattr(modules[m], op) for op, m in OPS.items()})
