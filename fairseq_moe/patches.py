@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .safe_eval import EVAL_MODULES  # the fairseq modules that eval() configuration strings
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,15 +50,6 @@ def _launched_rank_above_0():
 
 _EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints: here eval reads literals "
              "only, so no checkpoint string can run code (safe_eval.py)")
-_EVAL_MODULES = (  # safe_eval.EVAL_MODULES; written out so that the table is the whole story
-    "fairseq.utils", "fairseq.criterions.ctc", "fairseq.data.audio.raw_audio_dataset",
-    "fairseq.models.fconv", "fairseq.models.fconv_lm", "fairseq.models.fconv_self_att",
-    "fairseq.models.hubert.hubert", "fairseq.models.lightconv_lm", "fairseq.models.multires_hubert.multires_hubert",
-    "fairseq.models.speech_to_text.s2t_wav_transformer", "fairseq.models.transformer_lm",
-    "fairseq.models.wav2vec.wav2vec", "fairseq.models.wav2vec.wav2vec2",
-    "fairseq.optim.adafactor", "fairseq.optim.adam", "fairseq.optim.adamax", "fairseq.optim.cpu_adam",
-    "fairseq.optim.fused_lamb",
-)
 _CLI_WHY = "a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (cli.py)"
 _TRAINER = "fairseq.trainer:Trainer"
 _CKPT = "fairseq.checkpoint_utils"
@@ -110,7 +103,7 @@ PATCHES = (
             since="0.12 with NumPy >= 2", when=_numpy_2)
       for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
     # No checkpoint string reaches eval() (safe_eval.py)
-    *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in _EVAL_MODULES),
+    *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in EVAL_MODULES),
     # Bad input is one line (cli.py)
     *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),
