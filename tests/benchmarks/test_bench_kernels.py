@@ -146,6 +146,7 @@ def test_count_calls_sees_namespace_and_module_calls(bench):
     assert calls == {}
 
 
+@pytest.mark.slow
 def test_triton_ops_pass_the_check_in_the_interpreter(bench):
     """The script's correctness section on the real Triton backend (interpreter, fp32, tiny shape)."""
     pytest.importorskip("triton")

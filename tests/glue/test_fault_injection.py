@@ -43,7 +43,7 @@ def updates(state):
     return state["optimizer_history"][-1]["num_updates"]
 
 
-@pytest.mark.parametrize("how", ["restore-file", "auto-resume"])
+@pytest.mark.parametrize("how", ["restore-file", pytest.param("auto-resume", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("damage", ["no shared file", "no rank file", "truncated rank file", "empty shared file"])
 def test_a_damaged_set_is_an_error_never_a_fresh_start(data_bin, trained_checkpoint, tmp_path, how, damage):
     save = tmp_path / "save"
@@ -67,6 +67,7 @@ def test_a_damaged_set_is_an_error_never_a_fresh_start(data_bin, trained_checkpo
     assert snapshot(tmp_path) == before  # nothing written, nothing deleted
 
 
+@pytest.mark.slow
 def test_an_explicit_name_loads_what_it_names(data_bin, trained_checkpoint, tmp_path):
     """A set (update 2) and a later single file (update 3) of one name: NAME-shared.pt and NAME-rank-R.pt
     are the set, for generate, restore and reshard alike; the bare NAME.pt is the later save."""
@@ -133,6 +134,7 @@ def test_readable_files_of_the_wrong_shape_are_named(trained_checkpoint, tmp_pat
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
 
 
+@pytest.mark.slow
 def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
     for source in (str(trained_checkpoint), make_set(trained_checkpoint, tmp_path / "set") + "-shared.pt"):
         with pytest.raises(CheckpointError, match=r"saved with 4 experts .*\(--moe-expert-count 2\)"):

@@ -97,6 +97,7 @@ def test_eval_lm_equals_the_validation_loss(trained, lm_data_bin):
     assert float(result["loss"]) == pytest.approx(state["extra_state"]["val_loss"], abs=ROUNDED)
 
 
+@pytest.mark.slow
 def test_incremental_decoding_equals_the_full_forward(trained):
     """Generation runs the MoE layers one token at a time (no padding mask of its own)."""
     save, _ = trained

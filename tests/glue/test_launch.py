@@ -149,6 +149,7 @@ def test_rank_ignoring_sigterm_is_killed_after_grace_period(run, tmp_path):
     assert not [pid for pid in ranks if alive(pid)]
 
 
+@pytest.mark.slow
 def test_failed_rank_stops_the_others_and_its_code_is_returned(run, tmp_path):
     launcher = run(mode="fail")
     code, output = finish(launcher)

@@ -168,6 +168,7 @@ def fairseq_eval_calls():
     return frozenset(modules), frozenset(fields)
 
 
+@pytest.mark.slow
 def test_the_source_walk_finds_fairseqs_evaluations():
     """Not vacuous: the walk sees what is known to be there."""
     modules, fields = fairseq_eval_calls()

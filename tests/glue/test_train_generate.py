@@ -33,6 +33,7 @@ def test_checkpoint_loads_with_weights_only(trained):
     assert not hasattr(state["cfg"]["model"], "moe_ep")  # no process group in the saved config
 
 
+@pytest.mark.slow
 def test_without_the_plugin_the_checkpoint_is_refused(trained):
     """The registration is what makes it load: a bare torch refuses fairseq's pickled Namespace."""
     save, _ = trained
@@ -65,6 +66,7 @@ def test_expert_load_file(trained):
             assert len(fractions) == 4 and abs(sum(fractions) - 1) < 1e-9
 
 
+@pytest.mark.slow
 def test_resume_and_generate(trained, data_bin, tmp_path):
     save, _ = trained
     resumed = tmp_path / "resumed"
@@ -85,6 +87,7 @@ def test_resume_and_generate(trained, data_bin, tmp_path):
     assert len(hyps) == 20
 
 
+@pytest.mark.slow
 def test_cli_user_dir_after_pip_install(data_bin, tmp_path):
     """`fairseq-train --user-dir fairseq_moe` outside the checkout finds the installed package."""
     import fairseq
@@ -101,6 +104,7 @@ def test_cli_user_dir_after_pip_install(data_bin, tmp_path):
     assert "moe_balance_loss" in out.stderr + out.stdout
 
 
+@pytest.mark.slow
 def test_interactive_loads_the_checkpoint(trained, data_bin, tmp_path, capsys):
     from fairseq import options
     from fairseq_cli import interactive

@@ -87,6 +87,7 @@ def test_triton_ops():
     assert (ops.grouped_mlp, ops.moe_mlp) == (mlp.grouped_mlp, mlp.moe_mlp)
 
 
+@pytest.mark.slow
 def test_import_kernels_without_triton():
     """A fresh interpreter where triton cannot be imported: kernels imports, the torch backend
     works, asking for triton says why, and importing kernels pulled in no triton module."""

@@ -187,6 +187,7 @@ def test_padding_mask_shape_is_checked():
         layer(torch.randn(2, 4, 12, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.bool))
 
 
+@pytest.mark.slow
 def test_moe_package_imports_without_fairseq():
     """fairseq_moe/__init__.py says fairseq_moe.moe is usable without fairseq."""
     code = "import sys; sys.modules['fairseq'] = None; import fairseq_moe.moe"
