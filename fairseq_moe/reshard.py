@@ -26,27 +26,13 @@ from .moe.comm import expert_parallel_size
 
 
 def read_any(path):
-    """The full state (every expert) of a set or of a single consolidated file.
-
-    Anything that is not a readable checkpoint raises ValueError (or FileNotFoundError) naming a file.
-    Files are only ever read with torch.load(weights_only=True): no code in them runs.
-    """
-    try:
-        found = shards.locate(path)
-    except (ValueError, OSError):
-        raise
-    except Exception as e:  # locate peeks into the files to tell a set from a single file
-        raise ValueError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from e
+    """The full state (every expert) of a set or of a single consolidated file. Files are read with
+    torch.load(weights_only=True) only; whatever is not a readable checkpoint is an error naming a file."""
+    found = shards.locate(path)
     if found is None:
         raise FileNotFoundError(f"{path}: no such checkpoint (nor {shards.set_base(path)}-shared.pt)")
     if found[0] == "set":
-        try:
-            return shards.assemble(found[1])
-        except (ValueError, OSError):
-            raise
-        except (KeyError, TypeError, AttributeError, IndexError) as e:  # loadable, but not laid out as a set
-            raise ValueError(f"{path}: the files of {found[1]}.pt are not an expert-parallel checkpoint "
-                             f"set of fairseq-moe ({type(e).__name__}: {e})") from e
+        return shards.assemble(found[1])  # structure errors are named (expert_checkpoint.laid_out)
     return shards._load(found[1], "the checkpoint to reshard", mmap=False)
 
 
@@ -94,19 +80,6 @@ def _create_temporary(path):
     raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(folder, f".{name}.*.tmp"))
 
 
-def _fsync_folder(folder):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class _Writer:
     """Writes each output whole under its name, never over anything, and can take back what it wrote."""
 
@@ -127,7 +100,6 @@ class _Writer:
                 raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
             tmp = self._publish(tmp, path)
             self.published.append((path, (st.st_dev, st.st_ino)))
-            _fsync_folder(os.path.dirname(os.path.abspath(path)))
         finally:
             if fd is not None:
                 os.close(fd)
