@@ -124,3 +124,31 @@ def test_every_patch_names_its_reason_and_resolves():
             module, _, name = p.replacement.partition(":")
             assert hasattr(patches.resolve(module), name), p.replacement
     assert patches.is_applied()
+
+
+@pytest.mark.slow
+def test_a_dense_run_with_the_plugin_trains_as_without_it(data_bin, tmp_path):
+    """fairseq-train of a dense transformer with and without --user-dir fairseq_moe: the same weights
+    (with --required-batch-size-multiple 1 the kept last batch, a documented difference, changes nothing)."""
+    import os
+
+    import torch
+
+    from .helpers import USER_DIR
+
+    bin_dir = os.path.dirname(sys.executable)
+    common = [data_bin, "--task", "translation", "--arch", "transformer", "--encoder-layers", "1",
+              "--decoder-layers", "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+              "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+              "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "500",
+              "--max-update", "3", "--cpu", "--seed", "5", "--no-epoch-checkpoints", "--num-workers", "0",
+              "--required-batch-size-multiple", "1", "--no-progress-bar"]
+    states = []
+    for name, extra in (("plain", []), ("plugin", ["--user-dir", USER_DIR])):
+        save = tmp_path / name
+        out = subprocess.run([os.path.join(bin_dir, "fairseq-train"), *common, "--save-dir", str(save), *extra],
+                             capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        states.append(torch.load(save / "checkpoint_last.pt", weights_only=True))
+    torch.testing.assert_close(states[1]["model"], states[0]["model"], rtol=0, atol=0)
+    assert states[1]["optimizer_history"][-1]["num_updates"] == 3
