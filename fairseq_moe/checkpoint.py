@@ -81,11 +81,6 @@ def training_flags(cfg):
     return argparse.Namespace(**flat)
 
 
-def check_supported(args, spread):
-    """The trainer-stage refusals (refusals.py) that need only the flags (args: training_flags(cfg))."""
-    refusals.check("trainer", refusals.Context(flags=args, spread=spread))
-
-
 @contextlib.contextmanager
 def overridden(cfg, key, value):
     """cfg.key = value for the duration of the block: a value of the run's own config, for one call of
@@ -219,7 +214,8 @@ def load_found(found, arg_overrides=None, want=None, experts=None):
         with shards.laid_out(target):
             check_expert_layout(shards.manifest_of(state).get("experts"), experts, target)
         return state
-    shards.check_set(target)  # names the first missing or damaged file, and what it is for
+    if not os.path.exists(shards.shared_path(target)):
+        shards.check_set(target)  # names the missing shared file and what it is for (assemble checks the rest)
     # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file, then
     # put the experts in.
     shared = shards.shared_path(target)
@@ -317,8 +313,8 @@ class SaveInProgress:
     meets in a barrier there, so none deletes before all have written). save_id: drawn on rank 0, in
     every file of the save; written: the sets rank 0 wrote or copied (for the clean-up)."""
 
-    def __init__(self, path_manager, list_checkpoints, master, save_id=None, barrier=None):
-        self._pm, self._list, self.master = path_manager, list_checkpoints, master
+    def __init__(self, path_manager, list_checkpoints, copy_shared, save_id=None, barrier=None):
+        self._pm, self._list, self.copy_shared = path_manager, list_checkpoints, copy_shared
         self.save_id, self.barrier, self.written = save_id, barrier, []
         self.wrote = self.met = False
 
@@ -327,7 +323,7 @@ class SaveInProgress:
 
     def copy(self, src, dst, overwrite=False):
         ok = _atomic_copy(src, dst, overwrite)
-        if self.barrier is not None and self.master and ok:
+        if self.copy_shared and ok:
             ok = _atomic_copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)),
                               overwrite)
             self.written.append(shards.set_base(dst))
@@ -353,7 +349,10 @@ def trainer_save_checkpoint(self, filename, extra_state):
         return _fairseq("save_checkpoint", _TRAINER)(self, filename, extra_state)
     from fairseq import utils
 
-    save = _SAVES[self]
+    save = _SAVES.get(self)
+    if save is None:  # every rank's files of one save share an id, drawn in save_checkpoint
+        raise RuntimeError("with the experts spread over ranks, save through checkpoint_utils.save_checkpoint "
+                           "(every rank), not Trainer.save_checkpoint alone")
     state = utils.move_to_cpu(self.state_dict())
     state["extra_state"].update(extra_state)
     experts = state["extra_state"]["moe_checkpoint"]  # from state_dict() above
@@ -387,7 +386,7 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
         _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
         if spread:
             _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix)
-    save = SaveInProgress(checkpoint_utils.PathManager, checkpoint_utils.checkpoint_paths, master)
+    save = SaveInProgress(checkpoint_utils.PathManager, checkpoint_utils.checkpoint_paths, master and spread)
     if spread:
         os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
         group = trainer.data_parallel_process_group

@@ -28,9 +28,6 @@ def _rank():
 
 
 def one_line_errors(main):
-    if getattr(main, "one_line_errors", False):
-        return main
-
     @functools.wraps(main)  # main.__wrapped__: the tool's own main, for callers that want the exception
     def wrapped(*args, **kwargs):
         try:
@@ -40,7 +37,6 @@ def one_line_errors(main):
                 print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
-    wrapped.one_line_errors = True
     return wrapped
 
 

@@ -101,8 +101,9 @@ def describe(found):
 
 
 def read_file(path, mmap=False):
-    """torch.load(path, weights_only=True), always explicitly (so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
-    cannot turn pickle code execution back on), with every failure named by the file."""
+    """torch.load(path, weights_only=True), passed explicitly: torch honours an explicit value over
+    its environment overrides, so no setting turns pickle code execution back on. Every failure names
+    the file."""
     if not os.path.exists(path):
         raise MissingCheckpointError(f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:

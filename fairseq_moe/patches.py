@@ -150,10 +150,6 @@ def original(target, attribute):
     return _originals[(target, attribute)]
 
 
-def is_applied():
-    return bool(_originals)
-
-
 @contextlib.contextmanager
 def scoped(obj, attribute, value):
     """obj.attribute = value for the duration of the block, then as it was (an attribute obj did not have

@@ -40,9 +40,7 @@ def _check_state(state, src):
     """The expert manifest of a full-expert state, after checking what writing it relies on."""
     if not isinstance(state, dict):
         raise ValueError(f"{src}: not a fairseq checkpoint (it holds a {type(state).__name__}, not a dict)")
-    extra = state.get("extra_state")
-    info = extra.get("moe_checkpoint") if isinstance(extra, dict) else None
-    experts = info.get("experts") if isinstance(info, dict) else None
+    experts = shards.manifest_of(state).get("experts")
     if not experts or not isinstance(experts, dict):
         raise ValueError(f"{src} holds no expert manifest: not a checkpoint of fairseq-moe training")
     model = state.get("model")

@@ -51,6 +51,7 @@ class _Pipelined(torch.autograd.Function):
         recv_c = exchange_counts(send_c, ep.group)  # [P source, D, El]
         index = chunk_index(send_c)
         weights = [w.detach().requires_grad_(w.requires_grad) for w in (w1, b1, w2, b2)]
+        grad = any(ctx.needs_input_grad)  # at eval no chunk keeps a graph
         out = torch.empty_like(rows)
         saved, pending = [], []
         inbound = _a2a(rows.index_select(0, index[0]), send_c[:, 0].sum(1), recv_c[:, 0].sum(1), ep.group)
@@ -61,12 +62,13 @@ class _Pipelined(torch.autograd.Function):
                 inbound = _a2a(rows.index_select(0, index[c + 1]), send_c[:, c + 1].sum(1),
                                recv_c[:, c + 1].sum(1), ep.group)
             order = block_transpose_index(recv_c[:, c])  # (source, expert) -> (expert, source)
-            x = x.index_select(0, order).requires_grad_(rows.requires_grad)
-            with torch.enable_grad():
+            x = x.index_select(0, order).requires_grad_(rows.requires_grad and grad)
+            with torch.set_grad_enabled(grad):
                 y = mlp(x, recv_c[:, c].sum(0), *weights)  # [n_c, d], with its graph for backward
             back = torch.empty_like(x).index_copy_(0, order, y.detach())
             pending.append((c, *_a2a(back, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
-            saved.append((x, y, order))
+            if grad:
+                saved.append((x, y, order))
         for c, back, work in pending:
             work.wait()
             out.index_copy_(0, index[c], back)

@@ -108,7 +108,10 @@ def test_kernel_backend_flag(data_bin, tmp_path, monkeypatch):
 def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
     from argparse import Namespace
 
-    from fairseq_moe.checkpoint import check_supported
+    from fairseq_moe import refusals
+
+    def check_supported(args, spread):
+        refusals.check("trainer", refusals.Context(flags=args, spread=spread))
 
     check_supported(Namespace(bf16=True, fp16_no_flatten_grads=True), spread=True)
     check_supported(Namespace(fp16=True), spread=False)

@@ -80,7 +80,7 @@ print(json.dumps({"changed": changed, "applied": applied,
     got = run(code)
     expected = sorted(f"{p.target}|{p.attribute}" for p in patches.PATCHES
                       if not p.scoped and (p.when is None or p.when()) and p.attribute != "_safe_globals"
-                      and p.target.split(".")[0] != "argparse:ArgumentParser")
+                      and not p.target.startswith("argparse"))
     # The hydra tool is patched only when it is the program (it warns when imported).
     expected = [e for e in expected if not e.startswith("fairseq_cli.hydra_train")]
     assert (sorted(set(got["changed"]) - set(expected)), sorted(set(expected) - set(got["changed"]))) == ([], [])
@@ -120,10 +120,10 @@ def test_every_patch_names_its_reason_and_resolves():
     for p in patches.PATCHES:
         assert p.why and p.since.startswith("0.12"), p
         if p.when is None or p.when():
-            assert patches.resolve(p.replacement.replace(":", ":", 1).split(":")[0]) is not None
             module, _, name = p.replacement.partition(":")
             assert hasattr(patches.resolve(module), name), p.replacement
-    assert patches.is_applied()
+    assert patches.original("fairseq.checkpoint_utils", "load_checkpoint_to_cpu").__module__ == \
+        "fairseq.checkpoint_utils"  # the plugin is loaded, and keeps fairseq's own for its hooks
 
 
 @pytest.mark.slow
