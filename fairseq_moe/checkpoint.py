@@ -1,23 +1,16 @@
 """fairseq checkpoints of MoE models: safe loading, and expert-parallel saves that lose nothing.
 
-1. torch >= 2.6 loads with weights_only=True, which refuses any class it was not told about. A fairseq
-   0.12 checkpoint pickles one such class, argparse.Namespace (its "args"). We allow exactly that, so
-   fairseq-generate and --restore-file work while an arbitrary pickled object is still refused.
-   Never switch weights_only off instead.
-2. fairseq 0.12 writes a checkpoint from rank 0 alone, which holds only its own experts. When the experts
-   are spread over ranks, every rank writes NAME-rank-R.pt with its experts and their optimizer state,
-   and rank 0 writes NAME-shared.pt with the rest (format and checks: expert_checkpoint.py). Such a set
-   resumes at any world size, and fairseq-generate reads it with --path NAME-shared.pt.
-3. Every checkpoint the plugin loads is read with torch.load(weights_only=True) passed explicitly, and
-   its config is checked for strings that fairseq would eval() (safe_eval.py). A name resolves to one
-   checkpoint by fixed rules (expert_checkpoint.resolve), logged; a set with a file missing, empty or
-   from another save is an error naming that file, never a fresh start.
-4. A save removes what a killed save left behind in its folder: fairseq's temporaries of checkpoint
-   files, and sets whose deletion was cut short (their rank-0 file is gone, so they cannot load).
+- Every checkpoint is read with torch.load(weights_only=True) passed explicitly (argparse.Namespace,
+  which fairseq 0.12 pickles, is the one class allowed), and its config is checked for strings fairseq
+  would eval() (safe_eval.py). A name resolves to one checkpoint by fixed rules (expert_checkpoint.resolve),
+  logged; a damaged set is an error naming the file, never a fresh start.
+- With the experts spread over ranks, every rank writes NAME-rank-R.pt and rank 0 NAME-shared.pt (the
+  format: expert_checkpoint.py); such a set resumes at any world size.
+- A save removes what a killed save left in its folder (temporaries, sets whose deletion was cut short).
+The hooks below are installed by patches.py; their per-Trainer state is a RunState.
 """
 import argparse
 import contextlib
-import glob
 import importlib
 import logging
 import os
@@ -33,7 +26,7 @@ import torch
 
 from . import expert_checkpoint as shards
 from . import patches, refusals, safe_eval
-from .errors import CheckpointError, FlagError, MissingCheckpointError
+from .errors import CheckpointError, MissingCheckpointError
 
 SAFE_GLOBALS = [argparse.Namespace]
 logger = logging.getLogger(__name__)
@@ -43,20 +36,16 @@ def register_safe_globals():
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
 
 
-def _moe_layers(model):
-    from .moe import MoELayer
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
-
-
 def expert_params(model, spread_only=False):
     """{state-dict name: (first expert, local experts, E)} of the expert tensors (only the spread ones)."""
+    from .moe import MoELayer
+
     out = {}
-    for name, layer in _moe_layers(model):
-        if layer.ep is not None or not spread_only:
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoELayer) and (layer.ep is not None or not spread_only):
             ex = layer.experts
-            for p in ("w1", "b1", "w2", "b2"):
-                out[f"{name}.experts.{p}"] = (ex.first_expert, ex.num_experts, ex.total_experts)
+            out.update({f"{name}.experts.{p}": (ex.first_expert, ex.num_experts, ex.total_experts)
+                        for p in ("w1", "b1", "w2", "b2")})
     return out
 
 
@@ -67,26 +56,11 @@ def _optimizer_index(trainer, names):
     return {n: i for i, n in enumerate(order) if n in names}
 
 
-def training_flags(cfg):
-    """fairseq's training config as one flat Namespace of flags (what the refusals read), from the
-    argparse Namespace or from the sectioned config fairseq-hydra-train and fairseq-train build."""
-    if isinstance(cfg, argparse.Namespace):
-        return cfg
-    flat = {}
-    for section in ("common", "distributed_training", "optimization", "checkpoint", "ema"):
-        if cfg.get(section) is not None:
-            flat.update(cfg[section])
-    if cfg.get("optimizer") is not None:
-        flat["optimizer"] = getattr(cfg.optimizer, "_name", None)  # a DictConfig, or a Namespace (legacy)
-    return argparse.Namespace(**flat)
-
-
 @contextlib.contextmanager
 def overridden(cfg, key, value):
     """cfg.key = value for the duration of the block: a value of the run's own config, for one call of
     fairseq's (code objects are changed only through patches.py)."""
-    old = cfg[key]
-    cfg[key] = value
+    old, cfg[key] = cfg[key], value
     try:
         yield
     finally:
@@ -103,66 +77,52 @@ def _atomic_copy(src, dst, overwrite):
     return True
 
 
-def _checkpoint_name(suffix, tail):
-    """The names fairseq gives checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
-    checkpoint_best, checkpoint.best_loss_3.21), with the run's --checkpoint-suffix, then tail."""
-    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "") + tail + "$")
+def _remove(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
-def _remove_stray_temporaries(save_dir, suffix):
-    """A killed save leaves NAME.pt.tmp (fairseq writes there, then renames): remove those of this
-    run's checkpoint names. Called by rank 0 before any rank of the save writes."""
-    pattern = _checkpoint_name(suffix, r"(-shared|-rank-\d+)?\.pt\.tmp")
-    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
-        if pattern.match(name):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(save_dir, name))
-                logger.info("removed %s, left by a save that did not finish", name)
+def _remove_set(base, from_rank=0, shared=True):
+    """Delete NAME-rank-R.pt for R >= from_rank and, if shared, NAME-shared.pt (look-alikes stay)."""
+    for path in shards.set_files(base):
+        rank = shards._SHARD.match(path).group("rank")
+        if shared if rank is None else int(rank) >= from_rank:
+            _remove(path)
 
 
-def _remove_half_deleted_sets(save_dir, suffix):
-    """Sets of this run's checkpoint names whose rank-0 file is gone but other files remain: a
-    deletion (--keep-*) cut short by a kill (rank 0 deletes its file first). Without rank 0 they cannot
-    load; remove the rest. Called by rank 0 at the start of a save, when no rank writes or deletes."""
-    if not os.path.isdir(save_dir):
-        return
-    pattern = _checkpoint_name(suffix, r"(-shared|-rank-\d+)\.pt")
-    bases = {shards.set_base(os.path.join(save_dir, n)) for n in os.listdir(save_dir) if pattern.match(n)}
-    for base in sorted(bases):
-        if not os.path.exists(shards.rank_path(base, 0)):
-            _remove_ranks(base, 0)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(shards.shared_path(base))
-            logger.info("removed what was left of %s-*.pt (its deletion did not finish)", base)
+def remove_leftovers(save_dir, suffix, sets=True):
+    """What a killed save left, for this run's checkpoint names (checkpoint3, checkpoint_2_400,
+    checkpoint_last, checkpoint_best, checkpoint.best_loss_3.21, with --checkpoint-suffix): fairseq's
+    temporaries NAME.pt.tmp, and (sets) the sets whose rank-0 file is gone but other files remain (a
+    --keep-* deletion cut short: rank 0 deletes its file first; they cannot load). Called by rank 0 at
+    the start of a save, when no rank writes or deletes."""
+    names = re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "")
+                       + r"(?P<set>-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp)?$")
+    found = [(n, names.match(n)) for n in (os.listdir(save_dir) if os.path.isdir(save_dir) else ())]
+    for name, m in found:
+        if m and m.group("tmp"):
+            _remove(os.path.join(save_dir, name))
+            logger.info("removed %s, left by a save that did not finish", name)
+    bases = {shards.set_base(os.path.join(save_dir, n)) for n, m in found if sets and m and m.group("set")
+             and not m.group("tmp")}
+    for base in sorted(b for b in bases if not os.path.exists(shards.rank_path(b, 0))):
+        _remove_set(base)
+        logger.info("removed what was left of %s-*.pt (its deletion did not finish)", base)
 
 
-def _rank0_files(save_dir):
-    return set(glob.glob(os.path.join(glob.escape(save_dir), "*-rank-0.pt")))
+def rank0_files(save_dir):
+    return {os.path.join(save_dir, n) for n in os.listdir(save_dir) if n.endswith("-rank-0.pt")}
 
 
-def _clean_up(before, save_dir, world_size, written):
-    """After a save (rank 0), for the sets whose rank-0 file fairseq deleted in this save
-    (--keep-interval-updates, --keep-last-epochs, --keep-best-checkpoints; also one written and deleted
-    in the same save): their shared file and the rank files of ranks that are not there any more (a set
-    of an earlier, larger run) go too. A set just written loses its rank files beyond this world size."""
-    after = _rank0_files(save_dir)
-    written_rank0 = {shards.rank_path(base, 0) for base in written}
-    for gone in (before | written_rank0) - after:
-        base = shards.set_base(gone)
-        _remove_ranks(base, world_size)  # ranks below world_size remove their own files
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(shards.shared_path(base))
+def clean_up(before, save_dir, world_size, written):
+    """After a save (rank 0), for the sets whose rank-0 file fairseq deleted in this save (--keep-*;
+    also one written and deleted in the same save): their shared file and the rank files of ranks that
+    are not there any more (a set of an earlier, larger run) go too. A set just written loses its rank
+    files beyond this world size. (Ranks below world_size remove their own files.)"""
+    for gone in (before | {shards.rank_path(base, 0) for base in written}) - rank0_files(save_dir):
+        _remove_set(shards.set_base(gone), world_size)
     for base in written:
-        _remove_ranks(base, world_size)
-
-
-def _remove_ranks(base, first):
-    """Delete NAME-rank-R.pt for R >= first (other files that merely start alike stay)."""
-    for path in glob.glob(glob.escape(base) + "-rank-*.pt"):
-        m = shards._SHARD.match(path)
-        if m and m.group("base") == base and m.group("rank") is not None and int(m.group("rank")) >= first:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+        _remove_set(base, world_size, shared=False)
 
 
 def load_checkpoint_file(path, arg_overrides=None):
@@ -199,30 +159,23 @@ def check_expert_layout(saved, model, path):
             raise CheckpointError(f"{path} was saved with {saved[name]} experts in {name.rsplit('.', 2)[0]}; this "
                                   f"model has {model[name]} (--moe-expert-count {model[name]}). Resume with "
                                   f"--moe-expert-count {saved[name]}, or train into another --save-dir")
-    layers = sorted({n.rsplit(".", 2)[0] for n in saved})
-    mine = sorted({n.rsplit(".", 2)[0] for n in model})
+    layers, mine = (sorted({n.rsplit(".", 2)[0] for n in names}) for names in (saved, model))
     raise CheckpointError(f"{path} has MoE layers {layers}; this model has {mine} (--moe-freq, "
                           f"--encoder/decoder-moe-freq and the layer counts must match the saved run's)")
 
 
 def load_found(found, arg_overrides=None, want=None, experts=None):
     """The state of what shards.resolve() found: a single file, or a set assembled (want: the expert
-    ranges to read, else all). experts: the model's {name: E}, checked against the saved layout."""
+    ranges to read, else all). experts: the model's {name: E}, checked against the saved layout.
+    A set's shared file goes through fairseq's loader (overrides, upgrades), then the experts go in."""
     kind, target, _ = found
-    if kind == "file":
-        state = load_checkpoint_file(target, arg_overrides)
-        with shards.laid_out(target):
-            check_expert_layout(shards.manifest_of(state).get("experts"), experts, target)
-        return state
-    if not os.path.exists(shards.shared_path(target)):
+    path = target if kind == "file" else shards.shared_path(target)
+    if kind == "set" and not os.path.exists(path):
         shards.check_set(target)  # names the missing shared file and what it is for (assemble checks the rest)
-    # fairseq's loader applies arg overrides and upgrades old states: run it on the shared file, then
-    # put the experts in.
-    shared = shards.shared_path(target)
-    state = load_checkpoint_file(shared, arg_overrides)
-    with shards.laid_out(shared):
-        check_expert_layout(shards.manifest_of(state).get("experts"), experts, shared)
-    return shards.assemble(target, want=want, shared=state)
+    state = load_checkpoint_file(path, arg_overrides)
+    with shards.laid_out(path):
+        check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
+    return state if kind == "file" else shards.assemble(target, want=want, shared=state)
 
 
 def requested_name(trainer, filename):
@@ -255,9 +208,11 @@ class RunState:
 
     spread: {expert parameter: (first, count, E)} of the experts spread over ranks ({}: one process);
     reset_dataloader: set by load_checkpoint for the Trainer.load_checkpoint it calls (fine-tuning
-    restarts the data, so the saved position is neither used nor rescaled); None otherwise."""
+    restarts the data, so the saved position is neither used nor rescaled); None otherwise.
+    save: the SaveInProgress of the save_checkpoint under way; None otherwise."""
     spread: dict
     reset_dataloader: Optional[bool] = None
+    save: Optional["SaveInProgress"] = None
 
 
 _RUNS = weakref.WeakKeyDictionary()
@@ -272,7 +227,7 @@ def run_state(trainer):
 def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
     spread = expert_params(model, spread_only=True)
-    refusals.check("trainer", refusals.Context(flags=training_flags(cfg), spread=bool(spread), model=model,
+    refusals.check("trainer", refusals.Context(flags=refusals.training_flags(cfg), spread=bool(spread), model=model,
                                                criterion=criterion, task=cfg.get("task")))
     _fairseq("__init__", _TRAINER)(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
@@ -340,16 +295,12 @@ class SaveInProgress:
         self.met = True
 
 
-_SAVES = weakref.WeakKeyDictionary()  # Trainer -> its SaveInProgress, for the length of save_checkpoint
-
-
 def trainer_save_checkpoint(self, filename, extra_state):
-    spread = run_state(self).spread
+    spread, save = run_state(self).spread, run_state(self).save
     if not spread:
         return _fairseq("save_checkpoint", _TRAINER)(self, filename, extra_state)
     from fairseq import utils
 
-    save = _SAVES.get(self)
     if save is None:  # every rank's files of one save share an id, drawn in save_checkpoint
         raise RuntimeError("with the experts spread over ranks, save through checkpoint_utils.save_checkpoint "
                            "(every rank), not Trainer.save_checkpoint alone")
@@ -373,8 +324,7 @@ def trainer_save_checkpoint(self, filename, extra_state):
 
 
 def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-    """fairseq's save_checkpoint for MoE models: see SaveInProgress, _remove_stray_temporaries,
-    _remove_half_deleted_sets and _clean_up."""
+    """fairseq's save_checkpoint for MoE models: see SaveInProgress, remove_leftovers and clean_up."""
     fairseq_save = _fairseq("save_checkpoint")
     if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
         return fairseq_save(cfg, trainer, epoch_itr, val_loss)
@@ -383,9 +333,7 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     checkpoint_utils = importlib.import_module(_CKPT)
     spread, master = bool(run_state(trainer).spread), trainer.is_data_parallel_master
     if master:  # what a killed save left; no rank writes or deletes now
-        _remove_stray_temporaries(cfg.save_dir, cfg.checkpoint_suffix)
-        if spread:
-            _remove_half_deleted_sets(cfg.save_dir, cfg.checkpoint_suffix)
+        remove_leftovers(cfg.save_dir, cfg.checkpoint_suffix, sets=spread)
     save = SaveInProgress(checkpoint_utils.PathManager, checkpoint_utils.checkpoint_paths, master and spread)
     if spread:
         os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
@@ -394,17 +342,17 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
         # (It also orders the clean-up above before any rank's write.)
         save.save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
         save.barrier = lambda: dist_utils.all_reduce(torch.zeros(1), group)
-    before = _rank0_files(cfg.save_dir)
-    _SAVES[trainer] = save
+    before = rank0_files(cfg.save_dir) if spread else set()
+    run_state(trainer).save = save
     try:
         with patches.scoped(checkpoint_utils, "PathManager", save), \
                 patches.scoped(checkpoint_utils, "checkpoint_paths", save.checkpoint_paths):
             out = fairseq_save(cfg, trainer, epoch_itr, val_loss)
     finally:
-        del _SAVES[trainer]
+        run_state(trainer).save = None
     save.meet()  # nothing was deleted: meet before rank 0's clean-up all the same
     if master and spread:
-        _clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, save.written)
+        clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, save.written)
     return out
 
 

@@ -1,15 +1,10 @@
 """fairseq's command-line tools with the plugin loaded: bad input is one line, not a traceback.
 
-A FlagError or CheckpointError (errors.py) raised anywhere in fairseq-train, -generate, -interactive,
--eval-lm, -validate or -hydra-train prints `PROG: error: MESSAGE` on stderr, like argparse does for a
-bad flag, once (rank 0; the other ranks, which meet the same error, stay silent), and exits with code 2.
-Every other exception keeps its traceback: it is a bug to report, not bad input. (patches.py wraps
-each tool's main, and fairseq's call_main, which sets up the ranks, with one_line_errors when fairseq
-loads the plugin.)
-
-Under `python -m fairseq_moe.launch` every rank parses the same command line: on ranks other than 0 an
-argparse usage error (a bad flag value or choice) exits with code 2 silently, so the usage and the error
-are printed once, by rank 0, and not once per rank (exit_quietly, patches.py).
+A FlagError or CheckpointError (errors.py) raised in fairseq-train, -generate, -interactive, -eval-lm,
+-validate or -hydra-train (or in fairseq's call_main, which sets up the ranks) prints `PROG: error: MESSAGE`
+once, on rank 0, and exits with code 2, as argparse does for a bad flag. Any other exception keeps its
+traceback: it is a bug to report. Under `python -m fairseq_moe.launch`, where every rank parses the same
+command line, ranks other than 0 exit silently on a usage error (exit_quietly). patches.py installs both.
 """
 import functools
 import os

@@ -1,14 +1,6 @@
-"""Fixes for the fairseq 0.12 releases this plugin supports (patches.py installs them when fairseq
-loads the plugin; they apply to dense models run with the plugin too: see the README).
-
-1. Dropped last batch (keep_last_batch, below). 2. Multi-rank resume under torch >= 2.6
-(broadcast_with_omegaconf). 3. NumPy 2 (NUMPY_1): language modelling and bucketed translation data.
-4. torchrun on CPU (torchrun_on_cpu).
-
-fairseq 0.12's data_utils.batch_by_size drops the last batch whenever its size is not a multiple of
---required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
-sentences (the score is computed on the rest) and training never sees the longest examples.
-We keep that batch, as fairseq did before 0.12; batches stay within --max-tokens/--batch-size.
+"""Fixes for the fairseq 0.12 releases this plugin supports, installed by patches.py when fairseq loads
+the plugin (dense models run with the plugin get them too: see the README): the dropped last batch,
+multi-rank resume under torch >= 2.6, NumPy 2, torchrun on CPU.
 """
 
 import os
@@ -21,6 +13,10 @@ from .errors import FlagError
 
 
 def keep_last_batch(batch_by_size):
+    """fairseq 0.12's batch_by_size drops the last batch whenever its size is not a multiple of
+    --required-batch-size-multiple (default 8): fairseq-generate then silently skips the longest test
+    sentences and training never sees the longest examples. We keep it, as fairseq did before 0.12;
+    batches stay within --max-tokens/--batch-size."""
     def wrapped(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
                 required_batch_size_multiple=1, fixed_shapes=None):
         if not isinstance(indices, np.ndarray):

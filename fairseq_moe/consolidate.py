@@ -1,10 +1,7 @@
-"""Consolidate an expert-parallel checkpoint set into one file with every expert.
+"""Consolidate an expert-parallel set into one file with every expert (and their optimizer state: it
+resumes on one process, and loads at any world size). Same as reshard with --world-size 1.
 
     python -m fairseq_moe.consolidate save/checkpoint_best.pt model.pt
-
-The file holds the optimizer state of all experts too, so it resumes training on one process, and it
-loads at any world size (each rank takes its experts). Same as `python -m fairseq_moe.reshard IN OUT
---world-size 1`.
 """
 import sys
 

@@ -7,15 +7,11 @@ For a checkpoint NAME.pt written by W ranks whose experts are spread (the layout
     NAME-rank-R.pt   rank R's slice [E_l, ...] of every expert tensor and those experts' optimizer state
                      (keyed by parameter name). Written by rank R.
 
-Every file carries the same manifest: the update number, a save id drawn once per save, the world size
-and the expert layout. Loading checks each file of the set against the shared file's manifest and stops
-with an error naming the first missing or mismatched file, so files of two different saves (say a crash
-in the middle of one) never load silently. A set loads at any world size: a rank's experts, and their
-optimizer state (tensors shaped like the parameter, cut along the expert dim), are taken from the old
-ranks' slices. Rank files are read memory-mapped, so a rank reads only the expert rows it needs.
-
-No fairseq import here: this is the file format, used by the trainer hooks (checkpoint.py) and the
-reshard/consolidate commands.
+Every file carries the same manifest (update number, a save id drawn once per save, world size, expert
+layout); loading checks each file against the shared file's and names the first missing or mismatched
+one, so files of two saves never load together. A set loads at any world size: each rank's experts and
+their optimizer state are cut from the old ranks' slices, read memory-mapped. No fairseq import here:
+this is the file format, used by the trainer hooks (checkpoint.py) and reshard/consolidate.
 """
 import contextlib
 import glob
@@ -141,13 +137,9 @@ def manifest_of(state):
     return info if isinstance(info, dict) else {}
 
 
-def _peek(path):
-    return read_file(path, mmap=True)
-
-
 def _is_set_file(path):
     try:
-        state = _peek(path)
+        state = read_file(path, mmap=True)
     except CheckpointError:
         return True  # unreadable: let loading the set name it
     if not isinstance(state, dict) or "moe_shard" in state:
@@ -166,7 +158,7 @@ def _later_or_same(base, plain):
     ia = None
     for path in set_files(base):
         try:
-            state = _peek(path)
+            state = read_file(path, mmap=True)
         except CheckpointError:
             continue
         ia = (state.get("moe_shard") or manifest_of(state)) if isinstance(state, dict) else None
@@ -175,7 +167,7 @@ def _later_or_same(base, plain):
     if not ia:
         return True  # no readable file of the set: let loading it name what is wrong
     try:
-        b = _peek(plain)
+        b = read_file(plain, mmap=True)
     except CheckpointError:
         return True  # a damaged single file cannot be the later save
     if not isinstance(b, dict):
@@ -234,11 +226,10 @@ def read_set(base, shared=None):
     shared: the shared file's state when the caller has loaded it already.
     """
     with laid_out(f"the checkpoint set {base}-shared.pt + rank files"):
-        return _read_set(base, shared)
+        return _read_set(base, shared, shared_path(base))
 
 
-def _read_set(base, shared=None):
-    shared_file = shared_path(base)
+def _read_set(base, shared, shared_file):
     if shared is None:
         shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
                                     f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)",

@@ -1,19 +1,15 @@
-"""Run a fairseq command on several CPU processes of this machine, one per rank: torchrun's job, done
-the same way (the plugin's torchrun-on-CPU path, compat.torchrun_on_cpu), with a few conveniences.
+"""Run a fairseq command on several CPU processes of this machine, one per rank: what torchrun does, the
+same way (the plugin's torchrun-on-CPU path, compat.torchrun_on_cpu), with a few conveniences.
 
     python -m fairseq_moe.launch --nproc 4 -- fairseq-train data-bin --user-dir fairseq_moe --cpu ...
     torchrun --nproc-per-node 4 $(which fairseq-train) data-bin --user-dir fairseq_moe --cpu \
         --distributed-backend gloo --ddp-backend legacy_ddp ...                        # the same job
 
-Each rank gets torchrun's environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE), --distributed-world-size, and gloo and legacy_ddp unless the command chooses.
-What it adds to torchrun: OMP_NUM_THREADS split over the ranks (oversubscribed cores slow training
-tenfold); if a rank fails, the others get SETTLE_SECONDS to end, then are stopped, so that none waits
-forever in a collective; SIGTERM, SIGINT and SIGHUP are passed on to every rank, so that none is left
-running as an orphan, and ranks still running --grace-seconds after either are killed (SIGKILL); every
-rank parses the same command line, so a usage error (a bad flag) is printed by rank 0 alone
-(FAIRSEQ_MOE_LAUNCH_RANK, read by the plugin's cli.py), not once per rank. On GPUs use torchrun or
-Slurm as usual: nothing of this is needed there.
+It adds: gloo and legacy_ddp unless the command chooses; OMP_NUM_THREADS split over the ranks
+(oversubscribed cores slow training tenfold); when a rank fails, the others get SETTLE_SECONDS to end,
+then are stopped, so none waits forever in a collective; SIGTERM, SIGINT and SIGHUP are passed on to
+every rank, and ranks still running --grace-seconds later are killed; a usage error is printed by rank 0
+alone (FAIRSEQ_MOE_LAUNCH_RANK, read by cli.py). On GPUs use torchrun or Slurm as usual.
 """
 import argparse
 import os

@@ -1,27 +1,22 @@
 """Every change fairseq-moe makes to fairseq's (and torch's, argparse's) own objects, in one table.
 
-A fairseq plugin adds models, criterions and tasks through fairseq's registries; that needs no patch.
-What it cannot do through a registry is listed here: the target object, the attribute, what replaces
-it, why, since which fairseq release it is needed, and whether the replacement is permanent (apply(),
-when fairseq loads the plugin) or scoped (swapped in for one call by scoped(), then put back).
-Nothing else in the package assigns to an attribute of fairseq's: tests/glue/test_patches.py holds the
-table against what importing the plugin actually changes. (Values of the run's own config that a hook
-overrides for one call, such as --finetune-from-model when a set is to be resumed, are not patches:
-checkpoint.py sets them with overridden().)
-
-A replacement is named "module:attribute" of this package. With wraps=True it is a function that takes
-the original and returns the replacement (a wrapper); otherwise it is the replacement itself, and a
-replacement that needs the original asks original(target, attribute) for it.
+Models, criterions and tasks are added through fairseq's registries; what a plugin cannot do through a
+registry is listed here: the target, the attribute, the replacement ("module:name" of this package; with
+wraps=True a function of the original that returns the replacement, else the replacement itself, which
+asks original() for the original if it needs it), why, since which fairseq release, and whether it is
+permanent (apply(), when fairseq loads the plugin) or scoped (scoped(), for one call). Nothing else in
+the package assigns to a fairseq attribute: tests/glue/test_patches.py holds the table against what
+loading the plugin changes. (Values of the run's own config overridden for one call are not patches:
+checkpoint.overridden.)
 """
 import contextlib
 import importlib
-import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .safe_eval import EVAL_MODULES  # the fairseq modules that eval() configuration strings
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,18 +29,6 @@ class Patch:
     scoped: bool = False  # swapped in for one call only (scoped()), never by apply()
     wraps: bool = False  # replacement(original) -> the new value
     when: Optional[Callable[[], bool]] = None  # apply only where this holds (e.g. NumPy 2)
-
-
-def _numpy_2():
-    import numpy
-
-    return not hasattr(numpy, "compat")
-
-
-def _launched_rank_above_0():
-    import os
-
-    return os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0"
 
 
 _EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints: here eval reads literals "
@@ -100,7 +83,7 @@ PATCHES = (
           "the CUDA device count (0)", wraps=True),
     *(Patch(f"fairseq.{m}", "np", "fairseq_moe.compat:NUMPY_1",
             "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
-            since="0.12 with NumPy >= 2", when=_numpy_2)
+            since="0.12 with NumPy >= 2", when=lambda: not hasattr(importlib.import_module("numpy"), "compat"))
       for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
     # No checkpoint string reaches eval() (safe_eval.py)
     *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in EVAL_MODULES),
@@ -110,10 +93,10 @@ PATCHES = (
     Patch("fairseq.distributed.utils", "call_main", "fairseq_moe.cli:one_line_errors",
           _CLI_WHY + " (errors in setting up the ranks)", wraps=True),
     Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True,
-          when=lambda: __import__("sys").modules.get("fairseq_cli.hydra_train") is not None),
+          when=lambda: "fairseq_cli.hydra_train" in sys.modules),
     Patch("argparse:ArgumentParser", "error", "fairseq_moe.cli:exit_quietly",
           "under fairseq_moe.launch every rank parses the same command line: rank 0 alone prints a usage error",
-          when=_launched_rank_above_0),
+          when=lambda: os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0"),
 )
 
 _ABSENT = object()

@@ -2,14 +2,10 @@
 
 A refusal is a combination of flags (and of where the run is: experts spread over ranks or not) that
 cannot work with MoE layers, or would silently do something else than the flags say. Each is checked
-once, before any update, at one of two stages:
-- "build": when the model is built, on every rank, from the model's flags (before any weight exists);
-- "trainer": when fairseq builds its Trainer, from the whole config (fairseq-hydra-train too), the model
-  and the criterion.
-Bad values of a single flag are not here: they are checked where the value is read (MoEConfig.validate
-for the layer, the task for --moe-stats-file, the criterion for the loss weights), and so are the
-launcher's (compat.torchrun_on_cpu: NCCL or PyTorch DDP without CUDA), which come before any config.
-tests/glue/test_refusals.py runs every entry with its example.
+once, before any update: at "build" (the model's flags, on every rank, before any weight exists) or at
+"trainer" (fairseq builds its Trainer: the whole config, hydra runs too, the model and the criterion).
+A bad value of a single flag is checked where it is read (MoEConfig.validate, the task, the criterion,
+compat.torchrun_on_cpu). tests/glue/test_refusals.py runs every entry with its example.
 """
 import argparse
 from dataclasses import dataclass, field
@@ -126,6 +122,19 @@ REFUSALS = (
             {"model": argparse.Namespace(decoder=argparse.Namespace(adaptive_softmax=object())),
              "criterion": argparse.Namespace(moe_cfg=None)}),
 )
+
+
+def training_flags(cfg):
+    """fairseq's training config as one flat Namespace of flags, from the argparse Namespace or from the
+    sectioned config that fairseq-hydra-train and fairseq-train build."""
+    if isinstance(cfg, argparse.Namespace):
+        return cfg
+    flat = {}
+    for section in ("common", "distributed_training", "optimization", "checkpoint", "ema"):
+        flat.update(cfg.get(section) or {})
+    if cfg.get("optimizer") is not None:
+        flat["optimizer"] = getattr(cfg.optimizer, "_name", None)  # a DictConfig, or a Namespace (legacy)
+    return argparse.Namespace(**flat)
 
 
 def check(stage, ctx):

@@ -10,12 +10,13 @@ is checked (expert_checkpoint.read_set); existing files are never overwritten, a
 leaves no output behind.
 """
 import argparse
-import errno
+import contextlib
 import os
 import pickle
 import re
-import secrets
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -61,91 +62,66 @@ def _outputs(out, world_size):
     return [shards.rank_path(base, r) for r in range(world_size)] + [shards.shared_path(base)]
 
 
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def _create_temporary(path):
-    """(fd, name) of a new file next to path, created exclusively (O_EXCL: never an existing file or link)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    for _ in range(100):
-        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
-        try:
-            # mode 0666 less the umask, as torch.save(path) would create it
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.join(folder, f".{name}.*.tmp"))
+def _publish(tmp, path):
+    """Give the written file tmp the name path, unless something has that name (a dangling link too)."""
+    exists = FileExistsError(f"{path} appeared while this command was writing (nothing is overwritten)")
+    try:
+        os.link(tmp, path)  # atomic, and fails when path exists
+    except FileExistsError:
+        raise exists from None
+    except OSError:  # no hard links on this file system: check, then rename
+        if os.path.lexists(path):
+            raise exists from None
+        os.rename(tmp, path)
 
 
 class _Writer:
-    """Writes each output whole under its name, never over anything, and can take back what it wrote."""
+    """Writes each output whole (in a fresh private folder beside it, then linked to its name), never over
+    anything, and can take back what it published."""
+
+    staging = None  # the private folder, made at the first save: new, so nothing in it is a link
 
     def __init__(self):
         self.published = []  # (path, (st_dev, st_ino)) of the files this command created
 
     def save(self, obj, path):
-        fd, tmp = _create_temporary(path)
         try:
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    fd = None
-                    torch.save(obj, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    st = os.fstat(f.fileno())
-            except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-                raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
-            tmp = self._publish(tmp, path)
-            self.published.append((path, (st.st_dev, st.st_ino)))
-        finally:
-            if fd is not None:
-                os.close(fd)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-
-    @staticmethod
-    def _publish(tmp, path):
-        """Give tmp the name path unless something has that name; returns tmp when it is still to remove."""
-        exists = FileExistsError(f"{path} appeared while this command was writing (nothing is overwritten)")
-        try:
-            os.link(tmp, path)  # atomic, and fails when path exists (a dangling link included)
-            return tmp
-        except FileExistsError:
-            raise exists from None
-        except OSError:  # no hard links on this file system: check, then rename
-            if os.path.lexists(path):
-                raise exists from None
-            os.rename(tmp, path)
-            return None
+            if self.staging is None:
+                self.staging = tempfile.mkdtemp(prefix=".reshard-", dir=os.path.dirname(os.path.abspath(path)))
+            tmp = os.path.join(self.staging, os.path.basename(path))
+            with open(tmp, "xb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
+        except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
+            raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
+        _publish(tmp, path)
+        self.published.append((path, (st.st_dev, st.st_ino)))
 
     def undo(self):
         """Remove the files this command published, each only while it is still the file written."""
         removed = []
         for path, ident in reversed(self.published):
-            try:
+            with contextlib.suppress(OSError):
                 st = os.lstat(path)
                 if (st.st_dev, st.st_ino) == ident:
                     os.unlink(path)
                     removed.append(path)
-            except OSError:
-                pass
-        self.published = []
         return removed
+
+    def close(self):
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
 
 
 def _make_folder(folder):
     """os.makedirs(folder); returns the folders it created, deepest first."""
     created, f = [], folder
-    while not os.path.lexists(f):
+    while not os.path.lexists(f) and os.path.dirname(f) != f:
         created.append(f)
-        parent = os.path.dirname(f)
-        if parent == f:
-            break
-        f = parent
+        f = os.path.dirname(f)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -174,16 +150,17 @@ def reshard(src, out, world_size):
         return shards.write(state, out, world_size, save=writer.save)
     except BaseException as e:
         removed = writer.undo()
+        writer.close()
         for folder in created:
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(folder)  # only when empty
-            except OSError:
-                pass
         if removed and isinstance(e, (ValueError, OSError)):
             kind = next(k for k in (FileExistsError, OSError, ValueError) if isinstance(e, k))
             raise kind(f"{_one_line(e)}; removed the {len(removed)} file(s) this command had written "
                        f"({', '.join(removed)})") from e
         raise
+    finally:
+        writer.close()
 
 
 def _one_line(e):

@@ -5,6 +5,8 @@ overrides one hook, build_fc1, to return MoEFeedForward (which does the whole FF
 their activation and activation dropout) and makes the other three steps identities. The layer's
 forward, residual and layer norms stay fairseq's own, so they cannot drift from it.
 """
+import contextlib
+
 from torch import nn
 
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
@@ -33,49 +35,44 @@ class MoEFeedForward(nn.Module):
         return y
 
 
+class _MoEBlock:
+    """What both MoE layers add to fairseq's: the FFN is the MoE block (build_fc1 returns it; fairseq's
+    activation, activation dropout and fc2 become identities), and the padding mask reaches it for one
+    forward when --use-moe-pad-mask."""
+
+    def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, **kwargs):
+        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
+        super().__init__(cfg, **kwargs)
+        self.activation_fn = _identity
+        self.activation_dropout_module = nn.Identity()
+        self.fc2 = nn.Identity()
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        return MoEFeedForward(self.moe_cfg, self.ep)
+
+    @contextlib.contextmanager
+    def _padding(self, mask):
+        self.fc1.padding_mask = mask if self.use_pad_mask else None
+        try:
+            yield
+        finally:
+            self.fc1.padding_mask = None
+
+
 def _identity(x):
     return x
 
 
-def _make_ffn_moe(layer):
-    """Turn a built fairseq layer's FFN into the MoE block (see the module docstring)."""
-    layer.activation_fn = _identity
-    layer.activation_dropout_module = nn.Identity()
-    layer.fc2 = nn.Identity()
-
-
-class MoEEncoderLayer(TransformerEncoderLayerBase):
-    def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, return_fc=False):
-        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
-        super().__init__(cfg, return_fc=return_fc)
-        _make_ffn_moe(self)
-
-    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        return MoEFeedForward(self.moe_cfg, self.ep)
-
+class MoEEncoderLayer(_MoEBlock, TransformerEncoderLayerBase):
     def forward(self, x, encoder_padding_mask, attn_mask=None):
-        self.fc1.padding_mask = encoder_padding_mask if self.use_pad_mask else None
-        try:
+        with self._padding(encoder_padding_mask):
             return super().forward(x, encoder_padding_mask, attn_mask)
-        finally:
-            self.fc1.padding_mask = None
 
 
-class MoEDecoderLayer(TransformerDecoderLayerBase):
-    def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, no_encoder_attn=False):
-        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
-        super().__init__(cfg, no_encoder_attn=no_encoder_attn)
-        _make_ffn_moe(self)
-
-    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
-        return MoEFeedForward(self.moe_cfg, self.ep)
-
+class MoEDecoderLayer(_MoEBlock, TransformerDecoderLayerBase):
     def forward(self, x, *args, self_attn_padding_mask=None, **kwargs):
-        self.fc1.padding_mask = self_attn_padding_mask if self.use_pad_mask else None
-        try:
+        with self._padding(self_attn_padding_mask):
             return super().forward(x, *args, self_attn_padding_mask=self_attn_padding_mask, **kwargs)
-        finally:
-            self.fc1.padding_mask = None
 
 
 def moe_blocks(model):

@@ -28,6 +28,17 @@ from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
 logger = logging.getLogger(__name__)
 D = MoEConfig  # its field defaults are the defaults of the layer's flags
 
+# The layer's flags and their MoEConfig fields: their defaults are MoEConfig's (D), set here once.
+LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capacity_factor",
+               "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
+               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend"}
+# The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
+# --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
+# --moe-expert-ffn-dim None: the side's ffn dim.
+MODEL_DEFAULTS = dict(moe_top_k=None, moe_top1_expert=False, moe_expert_ffn_dim=None, moe_freq=2,
+                      encoder_moe_freq=0, decoder_moe_freq=0, use_moe_pad_mask=False, moe_a2a_local_size=None,
+                      moe_a2a_overlap_degree=1)
+
 
 def add_moe_args(parser, encoder=True):
     """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs).
@@ -36,7 +47,8 @@ def add_moe_args(parser, encoder=True):
     add("--moe-expert-count", type=int, metavar="E", help=f"experts per MoE layer (default {D.num_experts})")
     add("--moe-freq", type=int, metavar="N",
         help="make every N-th layer MoE" + (" on both sides (0: none unless a side's own freq is set)"
-                                           if encoder else " (0: none unless --decoder-moe-freq is set)"))
+                                           if encoder else " (0: none unless --decoder-moe-freq is set)")
+        + f" (default {MODEL_DEFAULTS['moe_freq']})")
     # As in fairseq's moe branch, a side's 0 means "as --moe-freq": a dense encoder is
     # --moe-freq 0 --decoder-moe-freq N.
     if encoder:
@@ -86,16 +98,10 @@ def moe_config(args, side):
     cfg = MoEConfig(
         model_dim=getattr(args, f"{side}_embed_dim"),
         ffn_dim=args.moe_expert_ffn_dim or getattr(args, f"{side}_ffn_embed_dim"),
-        num_experts=args.moe_expert_count,
         top_k=D.top_k if top_k is None else top_k,
-        capacity_factor=args.moe_capacity_factor,
-        eval_capacity_token_fraction=args.moe_eval_capacity_token_fraction,
-        gate=args.moe_gate,
-        gate_fp32=args.moe_gating_use_fp32,
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
-        kernel_backend=args.moe_kernel_backend,
-    )
+        **{name: getattr(args, flag) for flag, name in LAYER_FLAGS.items()})
     try:
         return cfg.validate()
     except ValueError as e:  # the layer's own check names the flag; to the CLI it is a flag error
@@ -167,7 +173,8 @@ class MoETransformerDecoder(TransformerDecoderBase):
         if index not in cfg.moe_decoder_layer_ids:
             return super().build_decoder_layer(cfg, no_encoder_attn)
         moe_cfg = moe_config(cfg, "decoder")
-        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask, no_encoder_attn), cfg)
+        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask,
+                                     no_encoder_attn=no_encoder_attn), cfg)
 
 
 def prepare_moe_build(args, sides):
@@ -256,62 +263,32 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
         )
 
 
-# The layer's flags and their MoEConfig fields: their defaults are MoEConfig's (D), set here once.
-LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capacity_factor",
-               "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
-               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend"}
-
-
 def moe_base_architecture(args):
     for flag, name in LAYER_FLAGS.items():
         setattr(args, flag, getattr(args, flag, getattr(D, name)))
-    # None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other).
-    args.moe_top_k = getattr(args, "moe_top_k", None)
-    args.moe_top1_expert = getattr(args, "moe_top1_expert", False)
-    args.moe_expert_ffn_dim = getattr(args, "moe_expert_ffn_dim", None)  # None: the side's ffn dim
-    # Where the MoE layers go and how their experts talk: the model's, not one layer's.
-    args.moe_freq = getattr(args, "moe_freq", 2)
-    args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 0)
-    args.decoder_moe_freq = getattr(args, "decoder_moe_freq", 0)
-    args.use_moe_pad_mask = getattr(args, "use_moe_pad_mask", False)
-    args.moe_a2a_local_size = getattr(args, "moe_a2a_local_size", None)
-    args.moe_a2a_overlap_degree = getattr(args, "moe_a2a_overlap_degree", 1)
+    for flag, value in MODEL_DEFAULTS.items():
+        setattr(args, flag, getattr(args, flag, value))
 
 
-@register_model_architecture("moe_transformer", "moe_transformer")
-def moe_transformer(args):
-    dense.base_architecture(args)
-    moe_base_architecture(args)
+def moe_arch(model, name, dense_arch, **defaults):
+    """Register arch `name` of `model`: the dense arch's settings, then `defaults`, then the MoE ones."""
+    def arch(args):
+        for key, value in defaults.items():
+            setattr(args, key, getattr(args, key, value))
+        dense_arch(args)
+        moe_base_architecture(args)
+    return register_model_architecture(model, name)(arch)
 
 
-@register_model_architecture("moe_transformer", "moe_transformer_tiny")
-def moe_transformer_tiny(args):
-    """For CPU runs: 3+3 layers, d=128, ffn 512, 4 heads; layer 2 of each side is MoE."""
-    for side in ("encoder", "decoder"):
-        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 128))
-        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 512))
-        setattr(args, f"{side}_layers", getattr(args, f"{side}_layers", 3))
-        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
-    args.moe_expert_count = getattr(args, "moe_expert_count", 4)
-    # Dropless at eval: with a capacity there, a sentence's output depends on the rest of its batch
-    # (and with few experts fairseq's 0.25 would drop tokens by construction: k / E >= 0.25).
-    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.0)
-    moe_transformer(args)
-
-
-@register_model_architecture("moe_transformer", "moe_transformer_iwslt_de_en")
-def moe_transformer_iwslt_de_en(args):
-    dense.transformer_iwslt_de_en(args)
-    moe_base_architecture(args)
-
-
-@register_model_architecture("moe_transformer", "moe_transformer_wmt_en_de")
-def moe_transformer_wmt_en_de(args):
-    dense.transformer_wmt_en_de(args)
-    moe_base_architecture(args)
-
-
-@register_model_architecture("moe_transformer", "moe_transformer_vaswani_wmt_en_de_big")
-def moe_transformer_vaswani_wmt_en_de_big(args):
-    dense.transformer_vaswani_wmt_en_de_big(args)
-    moe_base_architecture(args)
+moe_transformer = moe_arch("moe_transformer", "moe_transformer", dense.base_architecture)
+# For CPU runs: 3+3 layers, d=128, ffn 512, 4 heads; layer 2 of each side is MoE. Dropless at eval:
+# with a capacity there, a sentence's output depends on the rest of its batch (and with few experts
+# fairseq's 0.25 would drop tokens by construction: k / E >= 0.25).
+TINY = dict(moe_expert_count=4, moe_eval_capacity_token_fraction=0.0)
+moe_transformer_tiny = moe_arch("moe_transformer", "moe_transformer_tiny", dense.base_architecture, **TINY, **{
+    f"{side}_{key}": value for side in ("encoder", "decoder") for key, value in
+    (("embed_dim", 128), ("ffn_embed_dim", 512), ("layers", 3), ("attention_heads", 4))})
+moe_transformer_iwslt_de_en = moe_arch("moe_transformer", "moe_transformer_iwslt_de_en", dense.transformer_iwslt_de_en)
+moe_transformer_wmt_en_de = moe_arch("moe_transformer", "moe_transformer_wmt_en_de", dense.transformer_wmt_en_de)
+moe_transformer_vaswani_wmt_en_de_big = moe_arch("moe_transformer", "moe_transformer_vaswani_wmt_en_de_big",
+                                                 dense.transformer_vaswani_wmt_en_de_big)

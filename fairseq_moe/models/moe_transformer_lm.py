@@ -6,13 +6,12 @@ so `fairseq-eval-lm`, `fairseq-generate`/`-interactive` and the hub interface wo
 """
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import register_model
 from fairseq.models import transformer_lm as dense_lm
 from fairseq.models.transformer import TransformerDecoder
 
 from .. import patches
-from .moe_transformer import (MoEModelMixin, MoETransformerDecoder, add_moe_args, moe_base_architecture,
-                              prepare_moe_build)
+from .moe_transformer import TINY, MoEModelMixin, MoETransformerDecoder, add_moe_args, moe_arch, prepare_moe_build
 
 
 class MoETransformerLMDecoder(MoETransformerDecoder, TransformerDecoder):
@@ -41,30 +40,11 @@ class MoETransformerLanguageModel(MoEModelMixin, dense_lm.TransformerLanguageMod
         return model.finish_moe(args)
 
 
-def _moe_lm(dense_arch):
-    def arch(args):
-        dense_arch(args)
-        moe_base_architecture(args)
-    return arch
-
-
-moe_transformer_lm = register_model_architecture("moe_transformer_lm", "moe_transformer_lm")(
-    _moe_lm(dense_lm.base_lm_architecture))
-moe_transformer_lm_gpt = register_model_architecture("moe_transformer_lm", "moe_transformer_lm_gpt")(
-    _moe_lm(dense_lm.transformer_lm_gpt))
-moe_transformer_lm_gpt2_small = register_model_architecture(
-    "moe_transformer_lm", "moe_transformer_lm_gpt2_small")(_moe_lm(dense_lm.transformer_lm_gpt2_small))
-
-
-@register_model_architecture("moe_transformer_lm", "moe_transformer_lm_tiny")
-def moe_transformer_lm_tiny(args):
-    """For CPU runs: 4 layers, d=128, ffn 512, 4 heads; layers 2 and 4 are MoE with 4 experts."""
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 128)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 512)
-    args.decoder_layers = getattr(args, "decoder_layers", 4)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.moe_expert_count = getattr(args, "moe_expert_count", 4)
-    # Dropless at eval: with a capacity there, a sentence's output depends on the rest of its batch
-    # (and with few experts fairseq's 0.25 would drop tokens by construction: k / E >= 0.25).
-    args.moe_eval_capacity_token_fraction = getattr(args, "moe_eval_capacity_token_fraction", 0.0)
-    moe_transformer_lm(args)
+moe_transformer_lm = moe_arch("moe_transformer_lm", "moe_transformer_lm", dense_lm.base_lm_architecture)
+moe_transformer_lm_gpt = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt", dense_lm.transformer_lm_gpt)
+moe_transformer_lm_gpt2_small = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt2_small",
+                                         dense_lm.transformer_lm_gpt2_small)
+# For CPU runs: 4 layers, d=128, ffn 512, 4 heads; layers 2 and 4 are MoE with 4 experts (TINY: dropless at eval).
+moe_transformer_lm_tiny = moe_arch("moe_transformer_lm", "moe_transformer_lm_tiny", dense_lm.base_lm_architecture,
+                                   **TINY, decoder_embed_dim=128, decoder_ffn_embed_dim=512, decoder_layers=4,
+                                   decoder_attention_heads=4)

@@ -64,13 +64,17 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     replicas = W // P
     if not isinstance(overlap_degree, int) or overlap_degree < 1:
         raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")
-    group, replica_group = _subgroups(W, P, rank)
+    # EP groups are blocks of P consecutive ranks; replica groups take one rank of each block.
+    blocks = range(0, W, P)
+    group = _my_group([list(range(b, b + P)) for b in blocks], rank)
+    replica_group = _my_group([list(range(i, W, P)) for i in range(P)], rank) if replicas > 1 else None
     L = local_size or 1
     if L < 1 or P % L:
         raise ValueError(f"--moe-a2a-local-size {L} must divide the expert-parallel size {P}")
     local_group = node_group = None
-    if 1 < L < P:
-        local_group, node_group = _hierarchy(W, P, L, rank)
+    if 1 < L < P:  # inside each block: nodes of L consecutive ranks, and the ranks sharing a local index
+        local_group = _my_group([list(range(b + n * L, b + (n + 1) * L)) for b in blocks for n in range(P // L)], rank)
+        node_group = _my_group([list(range(b + i, b + P, L)) for b in blocks for i in range(L)], rank)
     else:
         L = 1
     if overlap_degree > 1 and L > 1:
@@ -80,36 +84,14 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
                           local_group, node_group, L, overlap_degree)
 
 
-def _subgroups(W, P, rank):
-    """EP groups are blocks of P consecutive ranks; replica groups take one rank of each block."""
-    group = replica_group = None
-    for start in range(0, W, P):
-        g = dist.new_group(list(range(start, start + P)))
-        if start <= rank < start + P:
-            group = g
-    if W // P > 1:
-        for i in range(P):
-            g = dist.new_group(list(range(i, W, P)))
-            if rank % P == i:
-                replica_group = g
-    return group, replica_group
-
-
-def _hierarchy(W, P, L, rank):
-    """Inside each EP block: nodes of L consecutive ranks, and the ranks sharing a local index."""
-    local_group = node_group = None
-    for start in range(0, W, P):
-        for node in range(P // L):
-            ranks = list(range(start + node * L, start + (node + 1) * L))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                local_group = g
-        for i in range(L):
-            ranks = list(range(start + i, start + P, L))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                node_group = g
-    return local_group, node_group
+def _my_group(rank_lists, rank):
+    """Create a process group of each list (every rank creates all, in the same order); return this rank's."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
 
 
 def exchange_counts(send_counts, group):

@@ -66,9 +66,10 @@ class ExpertLoadLog:
 
 
 class MoETaskMixin:
-    """Put it first among a fairseq task's bases, and call init_moe_task(cfg) in __init__."""
+    """Put it first among a fairseq task's bases; moe_task_name: the name the task is registered under."""
 
-    def init_moe_task(self, cfg):
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
         self.load_log = None
         # Rank 0 writes the file (its own counts; data-parallel ranks see similar loads).
         # Every rank checks the flags, so that all stop together on a bad one.

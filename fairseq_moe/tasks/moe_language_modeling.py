@@ -16,7 +16,3 @@ class MoELanguageModelingConfig(LanguageModelingConfig, ExpertStatsConfig):
 @register_task("moe_language_modeling", dataclass=MoELanguageModelingConfig)
 class MoELanguageModelingTask(MoETaskMixin, LanguageModelingTask):
     moe_task_name = "moe_language_modeling"
-
-    def __init__(self, args, dictionary, output_dictionary=None, targets=None):
-        super().__init__(args, dictionary, output_dictionary, targets)
-        self.init_moe_task(args)

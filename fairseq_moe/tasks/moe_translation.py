@@ -16,7 +16,3 @@ class MoETranslationConfig(TranslationConfig, ExpertStatsConfig):
 class MoETranslationTask(MoETaskMixin, TranslationTask):
     cfg: MoETranslationConfig
     moe_task_name = "moe_translation"
-
-    def __init__(self, cfg, src_dict, tgt_dict):
-        super().__init__(cfg, src_dict, tgt_dict)
-        self.init_moe_task(cfg)

@@ -299,7 +299,7 @@ def test_clean_up_after_a_save_removes_only_what_fairseq_dropped(tmp_path):
     """Rank 0 after a save at W=2: a set fairseq deleted (its rank-0 file is gone) loses its shared
     file and the rank files of an earlier 4-rank run; a set just written loses rank files >= 2; a set
     written and deleted in the same save is cleaned too; look-alike files stay."""
-    from fairseq_moe.checkpoint import _clean_up, _rank0_files
+    from fairseq_moe.checkpoint import clean_up, rank0_files
 
     def touch(*names):
         for n in names:
@@ -309,10 +309,10 @@ def test_clean_up_after_a_save_removes_only_what_fairseq_dropped(tmp_path):
           "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "last-rank-2.pt",   # rewritten by 2 ranks
           "keep-shared.pt", "keep-rank-0.pt", "keep-rank-1.pt",                     # untouched
           "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt")               # not ours
-    before = _rank0_files(str(tmp_path))
+    before = rank0_files(str(tmp_path))
     (tmp_path / "old-rank-0.pt").unlink()  # what fairseq's --keep-* did during the save
     touch("best_1.2-shared.pt")  # written and deleted in the same save: its rank-0 file is gone
-    _clean_up(before, str(tmp_path), 2, [str(tmp_path / "last"), str(tmp_path / "best_1.2")])
+    clean_up(before, str(tmp_path), 2, [str(tmp_path / "last"), str(tmp_path / "best_1.2")])
     assert sorted(os.listdir(tmp_path)) == sorted([
         "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "keep-shared.pt", "keep-rank-0.pt",
         "keep-rank-1.pt", "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt"])

@@ -145,7 +145,7 @@ def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
 def test_a_save_removes_what_a_killed_save_left(tmp_path):
     """Stray temporaries of checkpoint files and sets whose rank-0 file is gone go at the start of the next
     save (rank 0); complete sets, other names and other suffixes stay."""
-    from fairseq_moe.checkpoint import _remove_half_deleted_sets, _remove_stray_temporaries
+    from fairseq_moe.checkpoint import remove_leftovers
 
     stale = ["checkpoint_last.pt.tmp", "checkpoint_1_4-rank-1.pt.tmp", "checkpoint3-shared.pt.tmp",
              "checkpoint.best_loss_3.21-rank-0.pt.tmp",
@@ -157,13 +157,12 @@ def test_a_save_removes_what_a_killed_save_left(tmp_path):
             "checkpoint_1_2-rank-1.pt.bak", "checkpoint_last-other-rank-1.pt"]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
-    _remove_stray_temporaries(str(tmp_path), "")
-    _remove_half_deleted_sets(str(tmp_path), "")
+    remove_leftovers(str(tmp_path), "")
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
     # With --checkpoint-suffix -x only that run's names are its own.
     (tmp_path / "checkpoint_last-x.pt.tmp").write_bytes(b"x")
-    _remove_stray_temporaries(str(tmp_path), "-x")
+    remove_leftovers(str(tmp_path), "-x")
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 

@@ -146,7 +146,7 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    from fairseq_moe.checkpoint import training_flags
+    from fairseq_moe.refusals import training_flags
     from fairseq_moe.models import moe_transformer
     from fairseq_moe.moe.comm import ExpertParallel
 
