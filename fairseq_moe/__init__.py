@@ -1,11 +1,9 @@
 """fairseq-moe: Mixture-of-Experts transformers as a fairseq plugin (`--user-dir fairseq_moe`).
 
-The one door to fairseq is load_plugin(): it registers the models, criterions and tasks (fairseq's
-registries) and installs the table of patches.py (every change to fairseq's own objects: checkpoints of
-MoE models, safe loading, one-line errors, fixes of fairseq 0.12). It runs when fairseq imports the
-plugin (--user-dir), that is when this package is imported with fairseq already loaded; a program that
-imports fairseq_moe first calls it itself. Importing the layer (fairseq_moe.moe) or kernels alone, without
-fairseq, changes nothing of fairseq's or torch's.
+The one door to fairseq is load_plugin(): it registers the models, criterions and tasks and installs
+the table of patches.py. It runs when fairseq imports the plugin (--user-dir), i.e. when this package is
+imported with fairseq loaded; a program that imports fairseq_moe first calls it itself. The layer
+(fairseq_moe.moe) and the kernels, imported alone, change nothing of fairseq's or torch's.
 """
 import sys
 

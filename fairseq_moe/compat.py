@@ -32,32 +32,22 @@ def keep_last_batch(batch_by_size):
     return wrapped
 
 
-def _broadcast_globals():
-    """What fairseq pickles when it broadcasts a loaded checkpoint from rank 0 to the others."""
-    import collections
-    import typing
-
-    from fairseq.distributed import utils as distributed_utils
-
-    import omegaconf
-    from omegaconf import nodes
-    from omegaconf.base import ContainerMetadata, Metadata
-
-    node_types = [getattr(nodes, n) for n in ("AnyNode", "StringNode", "IntegerNode", "FloatNode",
-                                             "BooleanNode", "EnumNode", "PathNode") if hasattr(nodes, n)]
-    return [omegaconf.DictConfig, omegaconf.ListConfig, ContainerMetadata, Metadata, typing.Any,
-            collections.defaultdict, distributed_utils._TensorPlaceholder, *node_types,
-            dict, list, int, float, str, bool]  # builtins that OmegaConf's pickles name
-
-
 def broadcast_with_omegaconf(broadcast_object_slow):
     """fairseq's resume on several ranks: rank 0 reads the checkpoint (weights_only=True) and
     broadcasts the state, in which fairseq has turned the config into an OmegaConf object; the other
     ranks unpickle it with torch.load, whose weights_only default (torch >= 2.6) refuses OmegaConf
-    and fails every multi-rank resume. Allow exactly those config classes for this in-job transfer;
-    checkpoint files stay loaded with the narrow list of checkpoint.py."""
+    and fails every multi-rank resume. Allow exactly OmegaConf's config classes (and the builtins its
+    pickles name) for this in-job transfer; checkpoint files keep the narrow list of checkpoint.py."""
+    import collections
+    import typing
 
-    allowed = _broadcast_globals()
+    import omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from omegaconf import base, nodes
+
+    allowed = [omegaconf.DictConfig, omegaconf.ListConfig, base.ContainerMetadata, base.Metadata, typing.Any,
+               collections.defaultdict, distributed_utils._TensorPlaceholder, dict, list, int, float, str, bool,
+               *(v for v in vars(nodes).values() if isinstance(v, type) and issubclass(v, nodes.ValueNode))]
 
     def wrapped(obj, src_rank, group, dist_device):
         with torch.serialization.safe_globals(allowed):

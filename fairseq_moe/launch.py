@@ -33,14 +33,12 @@ def free_port():
 
 def rank_command(command, nproc):
     """The command of every rank: the user's, plus the distributed flags it did not set itself."""
-    given = set(a.split("=")[0] for a in command if a.startswith("--"))
-    extra = [] if "--distributed-world-size" in given else ["--distributed-world-size", str(nproc)]
-    for flag, value in (("--distributed-backend", "gloo"), ("--ddp-backend", "legacy_ddp")):
-        if flag not in given:
-            extra += [flag, value]
+    given = {a.split("=")[0] for a in command if a.startswith("--")}
     for flag in ("--distributed-rank", "--distributed-init-method", "--distributed-port"):
         if flag in given:
             raise ValueError(f"{flag} is set by fairseq_moe.launch (through the environment); remove it")
+    extra = [x for flag, value in (("--distributed-world-size", str(nproc)), ("--distributed-backend", "gloo"),
+                                   ("--ddp-backend", "legacy_ddp")) if flag not in given for x in (flag, value)]
     # A console script of this interpreter's environment first (the venv need not be on PATH).
     beside = os.path.join(os.path.dirname(sys.executable), command[0])
     program = beside if os.path.isfile(beside) else shutil.which(command[0]) or command[0]

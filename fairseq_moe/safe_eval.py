@@ -95,28 +95,16 @@ def _value(node, text):
                      f"{type(node).__name__} expressions from configuration strings")
 
 
-def is_literal(text):
-    try:
-        literal(text)
-    except ValueError:
-        return False
-    return True
-
-
 def check_config(state, path):
     """Refuse a checkpoint whose config holds, in a field fairseq evaluates, anything but a literal.
     state: the checkpoint as read from disk ("args": Namespace, "cfg": dict of sections)."""
-    for where, value in _fields(state.get("args"), "args"):
-        _check(where, value, path)
-    for where, value in _fields(state.get("cfg"), "cfg"):
-        _check(where, value, path)
-
-
-def _check(where, value, path):
-    name = where.rsplit(".", 1)[-1]
-    if name in EVALUATED_FIELDS and isinstance(value, str) and value.strip() and not is_literal(value):
-        raise CheckpointError(f"{path}: {where} = {value!r} is not a Python literal; fairseq would eval() "
-                              f"it when building the model, so this checkpoint is refused")
+    for where, value in (*_fields(state.get("args"), "args"), *_fields(state.get("cfg"), "cfg")):
+        if where.rsplit(".", 1)[-1] in EVALUATED_FIELDS and isinstance(value, str) and value.strip():
+            try:
+                literal(value)
+            except ValueError:
+                raise CheckpointError(f"{path}: {where} = {value!r} is not a Python literal; fairseq would "
+                                      f"eval() it when building the model, so this checkpoint is refused") from None
 
 
 def _fields(node, where, depth=0):

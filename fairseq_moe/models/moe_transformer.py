@@ -181,9 +181,8 @@ def prepare_moe_build(args, sides):
     """A checked copy of args for building a model whose `sides` ('encoder', 'decoder') have MoE layers:
     MoE defaults applied, layer ids and the expert-parallel group derived. Every bad flag fails here,
     named, before a single weight is built."""
-    # Work on a copy: fairseq saves the caller's object in checkpoints, and what we derive
-    # here (layer ids, process groups) must not go there. fairseq-hydra-train passes a
-    # DictConfig, whose extra keys (our flags) TransformerConfig.from_namespace would drop.
+    # A copy: fairseq saves the caller's object in checkpoints, where layer ids and process groups must not
+    # go. fairseq-hydra-train passes a DictConfig, whose extra keys TransformerConfig.from_namespace drops.
     args = Namespace(**(vars(args) if isinstance(args, Namespace)
                         else OmegaConf.to_container(args, resolve=True)))
     moe_base_architecture(args)
@@ -223,9 +222,7 @@ class MoEModelMixin:
 
     def finish_moe(self, args):
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
-        self._ddp_params_and_buffers_to_ignore = [
-            name for name, p in self.named_parameters() if getattr(p, "expert", False)
-        ]
+        self._ddp_params_and_buffers_to_ignore = [n for n, p in self.named_parameters() if getattr(p, "expert", 0)]
         logger.info("MoE layers: encoder %s, decoder %s; %d experts, top-%d", args.moe_encoder_layer_ids,
                     args.moe_decoder_layer_ids, args.moe_expert_count, moe_config(
                         args, "encoder" if args.moe_encoder_layer_ids else "decoder").top_k)
@@ -258,9 +255,7 @@ class MoETransformerModel(MoEModelMixin, TransformerModel):
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
-        return MoETransformerDecoder(
-            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
-        )
+        return MoETransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
 
 def moe_base_architecture(args):

@@ -31,10 +31,8 @@ class MoETransformerLanguageModel(MoEModelMixin, dense_lm.TransformerLanguageMod
     @classmethod
     def build_model(cls, args, task):
         args = prepare_moe_build(args, ("decoder",))
-        # transformer_lm's build_model builds `TransformerDecoder` by name: let it build ours instead, so its
-        # embedding and output choices stay fairseq's own rather than a copy of them. (A dense
-        # transformer_lm built by another thread at the same moment would get ours too; fairseq builds
-        # models on one.)
+        # transformer_lm's build_model builds `TransformerDecoder` by name: ours, so that its embedding and
+        # output choices stay fairseq's own (a model built by another thread meanwhile would get ours too).
         with patches.scoped(dense_lm, "TransformerDecoder", MoETransformerLMDecoder):
             model = super().build_model(args, task)
         return model.finish_moe(args)

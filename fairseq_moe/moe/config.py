@@ -10,19 +10,11 @@ from fractions import Fraction
 from fairseq_moe_kernels import backend as kernel_backends
 
 # The fairseq flag that sets each field, so that an error names what the user typed.
-FLAGS = {
-    "model_dim": "--encoder-embed-dim/--decoder-embed-dim",
-    "ffn_dim": "--moe-expert-ffn-dim",
-    "num_experts": "--moe-expert-count",
-    "top_k": "--moe-top-k",
-    "capacity_factor": "--moe-capacity-factor",
-    "eval_capacity_token_fraction": "--moe-eval-capacity-token-fraction",
-    "gate": "--moe-gate",
-    "gate_fp32": "--moe-gating-use-fp32",
-    "activation": "--activation-fn",
-    "activation_dropout": "--activation-dropout",
-    "kernel_backend": "--moe-kernel-backend",
-}
+FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--moe-expert-ffn-dim",
+         "num_experts": "--moe-expert-count", "top_k": "--moe-top-k", "capacity_factor": "--moe-capacity-factor",
+         "eval_capacity_token_fraction": "--moe-eval-capacity-token-fraction", "gate": "--moe-gate",
+         "gate_fp32": "--moe-gating-use-fp32", "activation": "--activation-fn",
+         "activation_dropout": "--activation-dropout", "kernel_backend": "--moe-kernel-backend"}
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 

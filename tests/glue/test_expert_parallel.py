@@ -23,21 +23,52 @@ COMMON = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9",
           "--max-update", "4", "--moe-expert-count", "4", "--required-batch-size-multiple", "1")
 
 
+def launch(world_size, save_dir, *argv):
+    """python -m fairseq_moe.launch --nproc W -- fairseq-train ...: the Popen, started."""
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(world_size), "--", "fairseq-train", *argv]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def finish(proc):
+    out = subprocess.CompletedProcess(proc.args, None, *proc.communicate(timeout=600))
+    assert proc.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+class Launched:
+    """A W-rank run started now; result() waits for it: (its save dir, its CompletedProcess)."""
+
+    def __init__(self, world_size, save_dir, argv):
+        self.save_dir, self.proc, self.out = save_dir, launch(world_size, save_dir, *argv), None
+
+    def result(self):
+        if self.out is None:
+            self.out = finish(self.proc)
+        return self.save_dir, self.out
+
+
+@pytest.fixture(scope="module")
+def launched(data_bin, tmp_path_factory):
+    """The 2-rank run of COMMON under fairseq_moe.launch (the torchrun test compares with it too)."""
+    many = tmp_path_factory.mktemp("many")
+    return Launched(2, many, train_argv(data_bin, many, *COMMON))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, extra", [
     (2, ()),
     (2, ("--moe-a2a-overlap-degree", "3")),
     (4, ("--moe-a2a-local-size", "2")),
 ])
-def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
+def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
+    # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).
+    many = tmp_path / "many"
+    run = (request.getfixturevalue("launched") if (world_size, extra) == (2, ())
+           else Launched(world_size, many, train_argv(data_bin, many, *COMMON, *extra)))
     one = tmp_path / "one"
     run_train(train_argv(data_bin, one, *COMMON, "--update-freq", str(world_size)))
-    many = tmp_path / "many"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(world_size), "--",
-           "fairseq-train", *train_argv(data_bin, many, *COMMON, *extra)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    many, out = run.result()
     if "--moe-a2a-local-size" in extra:
         assert "hierarchical 2x2 all-to-all" in out.stderr + out.stdout
 
@@ -75,16 +106,12 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra):
     # And back: the 1-process checkpoint (update 6) resumes on W ranks, each cutting out its experts
     # and their momentum, and continues exactly like the 1-process run.
     run_train(train_argv(data_bin, one, *COMMON, "--update-freq", str(world_size), "--max-update", "8"))
-    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(world_size), "--", "fairseq-train",
-           *train_argv(data_bin, resumed, *COMMON, "--max-update", "8", "--restore-file",
-                       str(resumed / "checkpoint_last.pt"), "--save-dir", str(tmp_path / "again"))]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    finish(launch(world_size, tmp_path / "again", *train_argv(
+        data_bin, resumed, *COMMON, "--max-update", "8", "--restore-file", str(resumed / "checkpoint_last.pt"),
+        "--save-dir", str(tmp_path / "again"))))
     d = shards.assemble(str(tmp_path / "again" / "checkpoint_last"))
     assert [h["num_updates"] for h in d["optimizer_history"]][-2:] == [6, 8]
     assert_same_params(d["model"], torch.load(one / "checkpoint_last.pt", weights_only=True)["model"])
-
-
 
 
 def test_torchrun_environment_on_cpu(monkeypatch):
@@ -117,36 +144,31 @@ def test_torchrun_environment_on_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_equals_the_launcher(data_bin, tmp_path):
+def test_torchrun_equals_the_launcher(data_bin, tmp_path, launched):
     """torchrun --nproc-per-node 2 fairseq-train ... --cpu, and two torchrun "nodes" of one rank each that
     meet by c10d rendezvous: one expert-parallel job each, the same as python -m fairseq_moe.launch
     --nproc 2 gives (bit for bit)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = ("--max-update", "3", "--optimizer", "sgd", "--lr", "0.5", "--moe-expert-count", "4",
-            "--moe-capacity-factor", "0", "--dropout", "0", "--required-batch-size-multiple", "1")
     gloo = ("--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
-    launched = subprocess.run(
-        [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
-         *train_argv(data_bin, tmp_path / "launch", *argv)], capture_output=True, text=True, env=env, timeout=600)
-    assert launched.returncode == 0, launched.stderr[-3000:]
     bin_dir = os.path.dirname(sys.executable)
     torchrun, train = os.path.join(bin_dir, "torchrun"), os.path.join(bin_dir, "fairseq-train")
     one_node = [[torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), train,
-                 *train_argv(data_bin, tmp_path / "one_node", *argv), *gloo]]
+                 *train_argv(data_bin, tmp_path / "one_node", *COMMON), *gloo]]
     endpoint = f"127.0.0.1:{_free_port()}"
     two_nodes = [[torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "moe", train,
-                  *train_argv(data_bin, tmp_path / "two_nodes", *argv), *gloo] for node in (0, 1)]
-    a = shards.assemble(str(tmp_path / "launch" / "checkpoint_last"))
+                  *train_argv(data_bin, tmp_path / "two_nodes", *COMMON), *gloo] for node in (0, 1)]
+    many, _ = launched.result()
+    a = shards.assemble(str(many / "checkpoint_last"))
     for name, commands in (("one_node", one_node), ("two_nodes", two_nodes)):
         procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
                  for c in commands]
         logs = [p.communicate(timeout=600)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), logs[0][-3000:]
-        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(tmp_path / "launch"))
+        assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(many))
         b = shards.assemble(str(tmp_path / name / "checkpoint_last"))
         torch.testing.assert_close(b["model"], a["model"], rtol=0, atol=0)
-        assert b["optimizer_history"][-1]["num_updates"] == 3
+        assert b["optimizer_history"][-1]["num_updates"] == 4
 
 
 def _free_port():

@@ -129,20 +129,29 @@ def test_no_moe_layer_names_the_flags(lm_data_bin, tmp_path):
         build(lm_train_argv(lm_data_bin, tmp_path, "--moe-freq", "3"))
 
 
+TWO_RANKS = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0",
+             "--dropout", "0", "--max-update", "4", "--required-batch-size-multiple", "1", *EVAL_DROPLESS)
+
+
+@pytest.fixture(scope="module")
+def one_process_lm(lm_data_bin, tmp_path_factory):
+    """TWO_RANKS on one process with --update-freq 2: the reference of the 2-rank runs."""
+    one = tmp_path_factory.mktemp("one")
+    run_train(lm_train_argv(lm_data_bin, one, *TWO_RANKS, "--update-freq", "2"))
+    return torch.load(one / "checkpoint_last.pt", weights_only=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--checkpoint-activations",)])  # recomputed all-to-alls in backward
-def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, extra):
-    common = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0",
-              "--dropout", "0", "--max-update", "4", "--required-batch-size-multiple", "1", *EVAL_DROPLESS)
-    one = tmp_path / "one"
-    run_train(lm_train_argv(lm_data_bin, one, *common, "--update-freq", "2"))
+def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, extra, request):
     many = tmp_path / "many"
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
-           *lm_train_argv(lm_data_bin, many, *common, *extra)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    a = torch.load(one / "checkpoint_last.pt", weights_only=True)
+           *lm_train_argv(lm_data_bin, many, *TWO_RANKS, *extra)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    a = request.getfixturevalue("one_process_lm")  # trained here (once) while the ranks run
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
     b = shards.assemble(str(many / "checkpoint_last"))
     assert b["extra_state"]["val_loss"] == pytest.approx(a["extra_state"]["val_loss"], rel=1e-5)
     assert_same_params(b["model"], a["model"])

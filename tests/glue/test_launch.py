@@ -60,14 +60,21 @@ TIMEOUT = 20  # seconds; nothing here should come near it
 
 @pytest.fixture
 def run(tmp_path):
-    """start(*launcher_args, mode=...) -> the launcher's Popen; at teardown nothing it started survives."""
+    """start(*launcher_args, mode=..., ignored=(signals)) -> the launcher's Popen; at teardown nothing it
+    started survives. The launcher starts with the forwarded signals at their defaults, except `ignored`
+    (pytest itself may run with SIGINT ignored: a shell's background job)."""
     started = []
 
-    def start(*launcher_args, mode="sleep", patch="none", **popen):
+    def start(*launcher_args, mode="sleep", patch="none", ignored=()):
+        def dispositions():
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+
         launcher = [sys.executable, "-c", LAUNCHER, LAUNCH_PY, str(tmp_path), patch]
         rank = [sys.executable, "-c", RANK, str(tmp_path), mode]
         proc = subprocess.Popen([*launcher, "--nproc", str(NPROC), *launcher_args, "--", *rank],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=dispositions)
         started.append(proc)
         return proc
 
@@ -125,7 +132,7 @@ def test_signal_to_launcher_stops_every_rank(run, tmp_path, signum):
 
 def test_ignored_hangup_stays_ignored(run, tmp_path):
     """Under nohup, a hangup must not stop the run: neither the launcher nor its ranks."""
-    launcher = run(preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    launcher = run(ignored=(signal.SIGHUP,))
     ranks = wait_ranks_up(tmp_path, launcher)
     launcher.send_signal(signal.SIGHUP)
     time.sleep(0.5)

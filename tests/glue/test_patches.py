@@ -143,12 +143,14 @@ def test_a_dense_run_with_the_plugin_trains_as_without_it(data_bin, tmp_path):
               "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "500",
               "--max-update", "3", "--cpu", "--seed", "5", "--no-epoch-checkpoints", "--num-workers", "0",
               "--required-batch-size-multiple", "1", "--no-progress-bar"]
+    runs = {name: subprocess.Popen([os.path.join(bin_dir, "fairseq-train"), *common, "--save-dir",
+                                    str(tmp_path / name), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            for name, extra in (("plain", []), ("plugin", ["--user-dir", USER_DIR]))}  # side by side
     states = []
-    for name, extra in (("plain", []), ("plugin", ["--user-dir", USER_DIR])):
-        save = tmp_path / name
-        out = subprocess.run([os.path.join(bin_dir, "fairseq-train"), *common, "--save-dir", str(save), *extra],
-                             capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert out.returncode == 0, out.stderr[-3000:]
-        states.append(torch.load(save / "checkpoint_last.pt", weights_only=True))
+    for name, proc in runs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        states.append(torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True))
     torch.testing.assert_close(states[1]["model"], states[0]["model"], rtol=0, atol=0)
     assert states[1]["optimizer_history"][-1]["num_updates"] == 3

@@ -1,5 +1,6 @@
-"""Kill a 4-rank expert-parallel run with SIGKILL mid-epoch; resumed, it continues exactly as a run that
-was never interrupted: the same losses at every later update and the same final parameters.
+"""Kill a 2-rank expert-parallel run with SIGKILL; resumed from its mid-epoch checkpoint at update 4, it
+continues exactly as the run did before it was killed: the same losses at updates 5-8 and the same
+parameters and optimizer state at update 8.
 
 fairseq reseeds every update (seed + update number), the iterator restarts mid-epoch where the
 checkpoint says, and each rank gets back its own experts and their Adam moments from its rank file.
@@ -18,7 +19,7 @@ from fairseq_moe import expert_checkpoint as shards
 
 from .helpers import train_argv
 
-W = 4
+W = 2
 ARGS = ("--moe-expert-count", "4", "--max-tokens", "100", "--dropout", "0.1", "--activation-dropout", "0.1",
         "--save-interval-updates", "2", "--required-batch-size-multiple", "1", "--moe-eval-capacity-token-fraction", "0")
 
@@ -50,38 +51,36 @@ def complete(base):
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_continues_exactly(data_bin, tmp_path):
-    full = launch(data_bin, tmp_path / "full", "--max-update", "8", "--keep-interval-updates", "2")
-    log_full, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, log_full[-3000:]
-    # fairseq deletes the older interval checkpoints on every rank; their shared files go with them.
-    names = os.listdir(tmp_path / "full")
-    interval = sorted(n[:-len("-shared.pt")] for n in names if n.endswith("-shared.pt") and n.count("_") == 2)
-    assert len(interval) == 2 and all(complete(str(tmp_path / "full" / n)) for n in interval), names
-    assert len([n for n in names if "-rank-" in n]) == W * (len(interval) + 2)  # + last and best
-
-    killed_dir = tmp_path / "killed"
-    base = str(killed_dir / "checkpoint_1_4")
-    # No --max-update: only the kill stops it. Its own process group, so that SIGKILL reaches every rank.
-    killed = launch(data_bin, killed_dir, start_new_session=True)
+    save = tmp_path / "save"
+    four, eight = str(save / "checkpoint_1_4"), str(save / "checkpoint_1_8")
+    # No --max-update: only the kill stops it, once its set at update 8 is written (the reference).
+    # Its own process group, so that SIGKILL reaches every rank.
+    killed = launch(data_bin, save, start_new_session=True)
     deadline = time.time() + 600
-    while not complete(base) and killed.poll() is None and time.time() < deadline:
+    while not complete(eight) and killed.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.killpg(killed.pid, signal.SIGKILL)
-    killed.communicate(timeout=60)
-    assert complete(base), "the run stopped before its checkpoint at update 4"
-    itr = torch.load(shards.shared_path(base), weights_only=True)["extra_state"]["train_iterator"]
+    log_killed, _ = killed.communicate(timeout=60)
+    assert complete(eight), "the run stopped before its checkpoint at update 8: " + log_killed[-3000:]
+    itr = torch.load(shards.shared_path(four), weights_only=True)["extra_state"]["train_iterator"]
     assert itr["epoch"] == 1 and itr["iterations_in_epoch"] > 0  # mid-epoch
+    ref = shards.assemble(eight)
 
-    resumed = launch(data_bin, killed_dir, "--max-update", "8", "--restore-file", base + ".pt")
+    resumed = launch(data_bin, save, "--max-update", "8", "--restore-file", four + ".pt",
+                     "--keep-interval-updates", "2")
     log_resumed, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, log_resumed[-3000:]
+    # fairseq deleted the older interval checkpoints on every rank; their shared files went with them.
+    names = os.listdir(save)
+    interval = sorted(n[:-len("-shared.pt")] for n in names if n.endswith("-shared.pt") and n.count("_") == 2)
+    assert interval == ["checkpoint_1_6", "checkpoint_1_8"] and all(complete(str(save / n)) for n in interval), names
+    assert len([n for n in names if "-rank-" in n]) == W * (len(interval) + 2), names  # + last and best
 
-    a, b = losses(log_full), losses(log_resumed)
+    a, b = losses(log_killed), losses(log_resumed)
     assert sorted(b) == [5, 6, 7, 8] and all(u in a for u in b)
     assert all(set(KEEP) <= set(b[u]) for u in b)
     assert {u: b[u] for u in b} == {u: a[u] for u in b}
-    ref = shards.assemble(str(tmp_path / "full" / "checkpoint_last"))
-    got = shards.assemble(str(killed_dir / "checkpoint_last"))
+    got = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in got["optimizer_history"]][-2:] == [4, 8]
     torch.testing.assert_close(got["model"], ref["model"], rtol=0, atol=0)
     torch.testing.assert_close(got["last_optimizer_state"]["state"], ref["last_optimizer_state"]["state"],
