@@ -25,5 +25,5 @@ setup(
         "sentencepiece",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "pytest-xdist>=3"]},
 )

@@ -233,17 +233,15 @@ def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     _RUNS[self] = RunState(spread=spread)
 
 
-def _checkpoint_suffix(self):
+@property
+def trainer_checkpoint_suffix(self):
     base = _fairseq("checkpoint_suffix", _TRAINER).fget(self)
     return f"{base}-rank-{self.data_parallel_rank}" if run_state(self).spread else base
 
 
-def _should_save(self):
+@property
+def trainer_should_save(self):
     return True if run_state(self).spread else _fairseq("should_save_checkpoint_on_current_rank", _TRAINER).fget(self)
-
-
-trainer_checkpoint_suffix = property(_checkpoint_suffix)
-trainer_should_save = property(_should_save)
 
 
 def trainer_state_dict(self):
