@@ -1,13 +1,9 @@
 """fairseq checkpoints of MoE models: safe loading, and expert-parallel saves that lose nothing.
 
-- Every checkpoint is read with torch.load(weights_only=True) passed explicitly (argparse.Namespace,
-  which fairseq 0.12 pickles, is the one class allowed), and its config is checked for strings fairseq
-  would eval() (safe_eval.py). A name resolves to one checkpoint by fixed rules (expert_checkpoint.resolve),
-  logged; a damaged set is an error naming the file, never a fresh start.
-- With the experts spread over ranks, every rank writes NAME-rank-R.pt and rank 0 NAME-shared.pt (the
-  format: expert_checkpoint.py); such a set resumes at any world size.
-- A save removes what a killed save left in its folder (temporaries, sets whose deletion was cut short).
-The hooks below are installed by patches.py; their per-Trainer state is a RunState.
+Loading: weights_only=True always passed, config strings checked (safe_eval.py), names resolved by fixed
+rules, a damaged set an error naming its file. Saving with the experts spread: NAME-rank-R.pt per rank +
+NAME-shared.pt (expert_checkpoint.py), a barrier before any deletion, a killed save's leftovers removed.
+The hooks below are installed by patches.py (each entry says why); their per-Trainer state is a RunState.
 """
 import argparse
 import contextlib
@@ -197,11 +193,6 @@ def requested_name(trainer, filename):
 _TRAINER, _CKPT = "fairseq.trainer:Trainer", "fairseq.checkpoint_utils"
 
 
-def _fairseq(attribute, target=_CKPT):
-    """fairseq's own function that our hook replaced (patches.original)."""
-    return patches.original(target, attribute)
-
-
 @dataclass
 class RunState:
     """What the hooks keep for one Trainer: made with it (trainer_init), gone with it (a weak map).
@@ -229,25 +220,26 @@ def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     spread = expert_params(model, spread_only=True)
     refusals.check("trainer", refusals.Context(flags=refusals.training_flags(cfg), spread=bool(spread), model=model,
                                                criterion=criterion, task=cfg.get("task")))
-    _fairseq("__init__", _TRAINER)(self, cfg, task, model, criterion, *args, **kwargs)
+    patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
 
 
 @property
 def trainer_checkpoint_suffix(self):
-    base = _fairseq("checkpoint_suffix", _TRAINER).fget(self)
+    base = patches.original(_TRAINER, "checkpoint_suffix").fget(self)
     return f"{base}-rank-{self.data_parallel_rank}" if run_state(self).spread else base
 
 
 @property
 def trainer_should_save(self):
-    return True if run_state(self).spread else _fairseq("should_save_checkpoint_on_current_rank", _TRAINER).fget(self)
+    fairseq = patches.original(_TRAINER, "should_save_checkpoint_on_current_rank")
+    return bool(run_state(self).spread) or fairseq.fget(self)
 
 
 def trainer_state_dict(self):
     """fairseq's state, plus what a later run at another world size needs: where each expert's
     optimizer state sits, and the world size the data iterator's position counts batches for."""
-    state = _fairseq("state_dict", _TRAINER)(self)
+    state = patches.original(_TRAINER, "state_dict")(self)
     experts = expert_params(self.get_model())
     if experts:
         state["extra_state"]["moe_checkpoint"] = {
@@ -296,9 +288,8 @@ class SaveInProgress:
 def trainer_save_checkpoint(self, filename, extra_state):
     spread, save = run_state(self).spread, run_state(self).save
     if not spread:
-        return _fairseq("save_checkpoint", _TRAINER)(self, filename, extra_state)
+        return patches.original(_TRAINER, "save_checkpoint")(self, filename, extra_state)
     from fairseq import utils
-
     if save is None:  # every rank's files of one save share an id, drawn in save_checkpoint
         raise RuntimeError("with the experts spread over ranks, save through checkpoint_utils.save_checkpoint "
                            "(every rank), not Trainer.save_checkpoint alone")
@@ -323,11 +314,10 @@ def trainer_save_checkpoint(self, filename, extra_state):
 
 def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     """fairseq's save_checkpoint for MoE models: see SaveInProgress, remove_leftovers and clean_up."""
-    fairseq_save = _fairseq("save_checkpoint")
+    fairseq_save = patches.original(_CKPT, "save_checkpoint")
     if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
         return fairseq_save(cfg, trainer, epoch_itr, val_loss)
     from fairseq.distributed import utils as dist_utils
-
     checkpoint_utils = importlib.import_module(_CKPT)
     spread, master = bool(run_state(trainer).spread), trainer.is_data_parallel_master
     if master:  # what a killed save left; no rank writes or deletes now
@@ -388,7 +378,7 @@ class LoadForRank:
 
 
 def trainer_load_checkpoint(self, filename, *args, **kwargs):
-    fairseq_load = _fairseq("load_checkpoint", _TRAINER)
+    fairseq_load = patches.original(_TRAINER, "load_checkpoint")
     name, default = requested_name(self, filename)
     found = shards.resolve(name)
     if found is None:
@@ -416,8 +406,7 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     if cfg.restore_file == "checkpoint_last.pt":
         last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
         resumable = shards.locate(last) is not None  # the same answer on every rank
-        resets = (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters
-                  or cfg.reset_dataloader)
+        resets = cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters or cfg.reset_dataloader
         # (--finetune-from-model with --reset-* is fairseq's own error, raised on every rank.)
         if resumable and not (cfg.finetune_from_model is not None and resets):
             overrides = {"finetune_from_model": None, "continue_once": None}
@@ -437,6 +426,6 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
             for key, value in overrides.items():
                 if key in cfg:
                     stack.enter_context(overridden(cfg, key, value))
-            return _fairseq("load_checkpoint")(cfg, trainer, **passthrough_args)
+            return patches.original(_CKPT, "load_checkpoint")(cfg, trainer, **passthrough_args)
     finally:
         run.reset_dataloader = None

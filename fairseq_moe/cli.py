@@ -1,10 +1,7 @@
-"""fairseq's command-line tools with the plugin loaded: bad input is one line, not a traceback.
-
-A FlagError or CheckpointError (errors.py) raised in fairseq-train, -generate, -interactive, -eval-lm,
--validate or -hydra-train (or in fairseq's call_main, which sets up the ranks) prints `PROG: error: MESSAGE`
-once, on rank 0, and exits with code 2, as argparse does for a bad flag. Any other exception keeps its
-traceback: it is a bug to report. Under `python -m fairseq_moe.launch`, where every rank parses the same
-command line, ranks other than 0 exit silently on a usage error (exit_quietly). patches.py installs both.
+"""Bad input is one line, not a traceback: a FlagError or CheckpointError (errors.py) in a fairseq tool
+prints `PROG: error: MESSAGE` once, on rank 0, and exits with 2, as argparse does; any other exception
+keeps its traceback (a bug to report). Under fairseq_moe.launch, ranks other than 0 exit silently on a
+usage error (exit_quietly). patches.py installs both.
 """
 import functools
 import os

@@ -56,25 +56,18 @@ def broadcast_with_omegaconf(broadcast_object_slow):
     return wrapped
 
 
-def _numpy_1_view():
-    """numpy as fairseq 0.12 expects it, for its data modules only; numpy itself is left as it is.
-    NumPy 2 removed np.compat.long (the builtin int), used by TokenBlockDataset (every --task
-    language_modeling run with --sample-break-mode eos) and LanguagePairDataset (--num-batch-buckets),
-    and percentile's `interpolation=` (now `method=`), used by data_utils.get_buckets (the same flag)."""
-    view = types.ModuleType("numpy")
-    view.__getattr__ = lambda name: getattr(np, name)
-    view.compat = types.SimpleNamespace(long=int)
-
-    def percentile(a, q, *args, interpolation=None, **kwargs):
-        if interpolation is not None:
-            kwargs["method"] = interpolation
-        return np.percentile(a, q, *args, **kwargs)
-
-    view.percentile = percentile
-    return view
+def _percentile(a, q, *args, interpolation=None, **kwargs):
+    if interpolation is not None:
+        kwargs["method"] = interpolation
+    return np.percentile(a, q, *args, **kwargs)
 
 
-NUMPY_1 = _numpy_1_view()
+# numpy as fairseq 0.12's data modules expect it (numpy itself is left as it is): np.compat.long is used
+# by TokenBlockDataset and LanguagePairDataset, percentile(interpolation=) by data_utils.get_buckets.
+NUMPY_1 = types.ModuleType("numpy")
+NUMPY_1.__getattr__ = lambda name: getattr(np, name)
+NUMPY_1.compat = types.SimpleNamespace(long=int)
+NUMPY_1.percentile = _percentile
 
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")

@@ -1,7 +1,5 @@
-"""The two kinds of bad input the plugin refuses by name (no fairseq import here).
-
-Both are ValueErrors, so library callers catch them as before; fairseq's command-line tools, with the
-plugin loaded, print either as one line `PROG: error: ...` and exit with code 2 (cli.py).
+"""The two kinds of bad input the plugin refuses by name (no fairseq import here). Both are ValueErrors;
+fairseq's command-line tools, with the plugin loaded, print either as one line and exit with 2 (cli.py).
 """
 
 

@@ -96,12 +96,12 @@ def describe(found):
     return f"the expert-parallel set {shared_path(target)} + rank files ({why})"
 
 
-def read_file(path, mmap=False):
+def read_file(path, mmap=False, what=None):
     """torch.load(path, weights_only=True), passed explicitly: torch honours an explicit value over
     its environment overrides, so no setting turns pickle code execution back on. Every failure names
-    the file."""
+    the file (and, when it is missing, `what` it is for)."""
     if not os.path.exists(path):
-        raise MissingCheckpointError(f"{path}: no such checkpoint file")
+        raise MissingCheckpointError(f"{path} is missing: {what}" if what else f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): a save that did not finish?")
     try:
@@ -211,13 +211,6 @@ def split(state, spread, rank, info):
     return shared, shard
 
 
-def _load(path, what, mmap=True):
-    """read_file, with what the file is for in the error when it is missing."""
-    if not os.path.exists(path):
-        raise MissingCheckpointError(f"{path} is missing: {what}")
-    return read_file(path, mmap=mmap)
-
-
 def read_set(base, shared=None):
     """(shared state, [rank shard of each rank]) after checking that every file belongs to one save.
 
@@ -226,38 +219,35 @@ def read_set(base, shared=None):
     shared: the shared file's state when the caller has loaded it already.
     """
     with laid_out(f"the checkpoint set {base}-shared.pt + rank files"):
-        return _read_set(base, shared, shared_path(base))
-
-
-def _read_set(base, shared, shared_file):
-    if shared is None:
-        shared = _load(shared_file, f"the shared part of the expert-parallel checkpoint {base}.pt "
-                                    f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)",
-                       mmap=False)
-    info = shared.get("extra_state", {}).get("moe_checkpoint")
-    if not info or "save_id" not in info:
-        raise CheckpointError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
-    if info.get("format") != FORMAT:
-        raise CheckpointError(f"{shared_file} is in checkpoint format {info.get('format')}; this fairseq-moe "
-                         f"reads format {FORMAT}")
-    W = info["world_size"]
-    shards = []
-    for r in range(W):
-        path = rank_path(base, r)
-        shard = _load(path, f"{shared_file} was written by {W} ranks and needs {base}-rank-0..{W - 1}.pt")
-        mine = shard.get("moe_shard", {})
-        for key in ("save_id", "num_updates", "world_size", "experts"):
-            if mine.get(key) != info[key]:
-                raise CheckpointError(
-                    f"{path} does not belong with {shared_file}: its {key} is {mine.get(key)!r}, the shared "
-                    f"file's is {info[key]!r}. The files come from different saves (a save that did not "
-                    f"finish?); resume from another checkpoint.")
-        for name, (first, count) in mine["slices"].items():
-            if (first, count) != local_experts(info["experts"][name], W, r):
-                raise CheckpointError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what rank "
-                                 f"{r} of {W} holds")
-        shards.append(shard)
-    return shared, shards
+        shared_file = shared_path(base)
+        if shared is None:
+            shared = read_file(shared_file, what=f"the shared part of the expert-parallel checkpoint {base}.pt "
+                               f"(found {len(glob.glob(glob.escape(base) + '-rank-*.pt'))} rank files)")
+        info = shared.get("extra_state", {}).get("moe_checkpoint")
+        if not info or "save_id" not in info:
+            raise CheckpointError(f"{shared_file} has no expert-parallel manifest: not written by fairseq-moe")
+        if info.get("format") != FORMAT:
+            raise CheckpointError(f"{shared_file} is in checkpoint format {info.get('format')}; this fairseq-moe "
+                                  f"reads format {FORMAT}")
+        W = info["world_size"]
+        shards = []
+        for r in range(W):
+            path = rank_path(base, r)
+            shard = read_file(path, mmap=True, what=f"{shared_file} was written by {W} ranks and needs "
+                              f"{base}-rank-0..{W - 1}.pt")
+            mine = shard.get("moe_shard", {})
+            for key in ("save_id", "num_updates", "world_size", "experts"):
+                if mine.get(key) != info[key]:
+                    raise CheckpointError(
+                        f"{path} does not belong with {shared_file}: its {key} is {mine.get(key)!r}, the shared "
+                        f"file's is {info[key]!r}. The files come from different saves (a save that did not "
+                        f"finish?); resume from another checkpoint.")
+            for name, (first, count) in mine["slices"].items():
+                if (first, count) != local_experts(info["experts"][name], W, r):
+                    raise CheckpointError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what "
+                                          f"rank {r} of {W} holds")
+            shards.append(shard)
+        return shared, shards
 
 
 def check_set(base):
@@ -297,30 +287,26 @@ def assemble(base, want=None, shared=None):
     shared: the shared file's state, when already loaded (see read_set).
     """
     with laid_out(f"the checkpoint set {base}-shared.pt + rank files"):
-        return _assemble(base, want, shared)
-
-
-def _assemble(base, want=None, shared=None):
-    shared, shards = read_set(base, shared)
-    info = shared["extra_state"]["moe_checkpoint"]
-    model = dict(shared["model"])
-    opt = shared.get("last_optimizer_state")
-    per_param = dict(opt["state"]) if opt is not None else None
-    for name, E in info["experts"].items():
-        lo, hi = (want or {}).get(name, (0, E))
-        owners = {}  # first expert -> shard (one replica of each slice)
-        for shard in shards:
-            owners.setdefault(shard["moe_shard"]["slices"][name][0], shard)
-        model[name] = _cut([(f, s["model"][name]) for f, s in sorted(owners.items())], lo, hi)
-        if per_param is not None and name in info["optimizer_index"]:
-            entries = [(f, s["moe_shard"]["slices"][name][1], s["optimizer"][name])
-                       for f, s in sorted(owners.items()) if name in s["optimizer"]]
-            if entries:
-                per_param[info["optimizer_index"][name]] = _cut_optimizer_state(entries, lo, hi)
-    state = dict(shared, model=model)
-    if opt is not None:
-        state["last_optimizer_state"] = dict(opt, state=per_param)
-    return state
+        shared, shards = read_set(base, shared)
+        info = shared["extra_state"]["moe_checkpoint"]
+        model = dict(shared["model"])
+        opt = shared.get("last_optimizer_state")
+        per_param = dict(opt["state"]) if opt is not None else None
+        for name, E in info["experts"].items():
+            lo, hi = (want or {}).get(name, (0, E))
+            owners = {}  # first expert -> shard (one replica of each slice)
+            for shard in shards:
+                owners.setdefault(shard["moe_shard"]["slices"][name][0], shard)
+            model[name] = _cut([(f, s["model"][name]) for f, s in sorted(owners.items())], lo, hi)
+            if per_param is not None and name in info["optimizer_index"]:
+                entries = [(f, s["moe_shard"]["slices"][name][1], s["optimizer"][name])
+                           for f, s in sorted(owners.items()) if name in s["optimizer"]]
+                if entries:
+                    per_param[info["optimizer_index"][name]] = _cut_optimizer_state(entries, lo, hi)
+        state = dict(shared, model=model)
+        if opt is not None:
+            state["last_optimizer_state"] = dict(opt, state=per_param)
+        return state
 
 
 def cut_for_rank(state, spread):

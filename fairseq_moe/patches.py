@@ -4,10 +4,9 @@ Models, criterions and tasks are added through fairseq's registries; what a plug
 registry is listed here: the target, the attribute, the replacement ("module:name" of this package; with
 wraps=True a function of the original that returns the replacement, else the replacement itself, which
 asks original() for the original if it needs it), why, since which fairseq release, and whether it is
-permanent (apply(), when fairseq loads the plugin) or scoped (scoped(), for one call). Nothing else in
-the package assigns to a fairseq attribute: tests/glue/test_patches.py holds the table against what
-loading the plugin changes. (Values of the run's own config overridden for one call are not patches:
-checkpoint.overridden.)
+permanent (apply(), when fairseq loads the plugin) or scoped (scoped(), for one call). Nothing else
+assigns to a fairseq attribute (tests/glue/test_patches.py); config values set for one call are not
+patches (checkpoint.overridden).
 """
 import contextlib
 import importlib
@@ -147,7 +146,4 @@ def scoped(obj, attribute, value):
     try:
         yield
     finally:
-        if had:
-            setattr(obj, attribute, old)
-        else:
-            delattr(obj, attribute)
+        setattr(obj, attribute, old) if had else delattr(obj, attribute)

@@ -34,7 +34,7 @@ def read_any(path):
         raise FileNotFoundError(f"{path}: no such checkpoint (nor {shards.set_base(path)}-shared.pt)")
     if found[0] == "set":
         return shards.assemble(found[1])  # structure errors are named (expert_checkpoint.laid_out)
-    return shards._load(found[1], "the checkpoint to reshard", mmap=False)
+    return shards.read_file(found[1], what="the checkpoint to reshard")
 
 
 def _check_state(state, src):
@@ -53,13 +53,6 @@ def _check_state(state, src):
             raise ValueError(f"{src}: its manifest lists {name} with {E!r} experts, but the model state "
                              f"holds {'no such tensor' if not torch.is_tensor(t) else tuple(t.shape)}")
     return experts
-
-
-def _outputs(out, world_size):
-    if world_size == 1:
-        return [out]
-    base = shards.set_base(out)
-    return [shards.rank_path(base, r) for r in range(world_size)] + [shards.shared_path(base)]
 
 
 def _publish(tmp, path):
@@ -134,7 +127,9 @@ def reshard(src, out, world_size):
         raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    outputs = _outputs(out, world_size)
+    base = shards.set_base(out)
+    outputs = [out] if world_size == 1 else [shards.rank_path(base, r) for r in range(world_size)] + [
+        shards.shared_path(base)]
     existing = [p for p in outputs if os.path.lexists(p)]
     if existing:
         what = " (a symbolic link)" if os.path.islink(existing[0]) else ""

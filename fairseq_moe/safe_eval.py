@@ -1,14 +1,11 @@
 """No string from a checkpoint reaches Python's eval().
 
 fairseq 0.12 builds a loaded model from the checkpoint's own config and eval()s some of its strings
-(adaptive_softmax_cutoff, character_filters, adam_betas, fconv's layer specs, ...): a checkpoint that
-passes torch.load(weights_only=True) could still run code. Two guards, both installed with the plugin:
-
-1. check_config(state, path), when a checkpoint is loaded: every field that fairseq evaluates
-   (EVALUATED_FIELDS, found by reading fairseq 0.12's source; a test holds the list against it) must be
-   a literal, or loading stops with an error naming the field.
-2. in every fairseq module that calls eval() on configuration (EVAL_MODULES), the name `eval` is bound
-   to literal() (patches.py), so a field missing from the list cannot run code either.
+(adaptive_softmax_cutoff, adam_betas, fconv's layer specs, ...): a checkpoint that passes
+torch.load(weights_only=True) could still run code. Two guards: check_config() at load, for every field
+fairseq evaluates (EVALUATED_FIELDS; a test holds the list against fairseq's source), names a field that
+is not a literal; and in the fairseq modules that eval() configuration (EVAL_MODULES) the name `eval` is
+bound to literal() (patches.py), so a field missing from the list cannot run code either.
 
 literal() reads what those fields legitimately hold: Python literals, plus the arithmetic of fconv's
 layer specs ("[(512, 3)] * 20 + [(1024, 3)]"). Names other than True/False/None, calls, attributes,

@@ -48,6 +48,9 @@ class MoECrossEntropyCriterion(MoECriterionMixin, CrossEntropyCriterion):
                                     moe_gate_loss_transform, moe_z_loss_wt))
 
 
+L = MoELossConfig  # its defaults are the loss flags' defaults, also as keyword arguments below
+
+
 @dataclass
 class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, MoELossConfig):
     pass
@@ -56,10 +59,8 @@ class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfi
 @register_criterion("moe_label_smoothed_cross_entropy", dataclass=MoELabelSmoothedCrossEntropyConfig)
 class MoELabelSmoothedCrossEntropyCriterion(MoECriterionMixin, LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moe_gate_loss_wt=MoELossConfig.moe_gate_loss_wt,
-                 moe_gate_loss_combine_method=MoELossConfig.moe_gate_loss_combine_method,
-                 moe_gate_loss_transform=MoELossConfig.moe_gate_loss_transform,
-                 moe_z_loss_wt=MoELossConfig.moe_z_loss_wt):  # (the defaults: MoELossConfig's, once)
+                 moe_gate_loss_wt=L.moe_gate_loss_wt, moe_gate_loss_combine_method=L.moe_gate_loss_combine_method,
+                 moe_gate_loss_transform=L.moe_gate_loss_transform, moe_z_loss_wt=L.moe_z_loss_wt):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.init_moe(MoELossConfig(moe_gate_loss_wt, moe_gate_loss_combine_method,
                                     moe_gate_loss_transform, moe_z_loss_wt))

@@ -162,9 +162,8 @@ class MoETransformerEncoder(TransformerEncoderBase):
         index = self._built = getattr(self, "_built", -1) + 1
         if index not in cfg.moe_encoder_layer_ids:
             return super().build_encoder_layer(cfg)
-        moe_cfg = moe_config(cfg, "encoder")
-        layer = MoEEncoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask, return_fc=self.return_fc)
-        return _wrap(layer, cfg)
+        return _wrap(MoEEncoderLayer(cfg, moe_config(cfg, "encoder"), cfg.moe_ep, cfg.use_moe_pad_mask,
+                                     return_fc=self.return_fc), cfg)
 
 
 class MoETransformerDecoder(TransformerDecoderBase):
@@ -172,8 +171,7 @@ class MoETransformerDecoder(TransformerDecoderBase):
         index = self._built = getattr(self, "_built", -1) + 1
         if index not in cfg.moe_decoder_layer_ids:
             return super().build_decoder_layer(cfg, no_encoder_attn)
-        moe_cfg = moe_config(cfg, "decoder")
-        return _wrap(MoEDecoderLayer(cfg, moe_cfg, cfg.moe_ep, cfg.use_moe_pad_mask,
+        return _wrap(MoEDecoderLayer(cfg, moe_config(cfg, "decoder"), cfg.moe_ep, cfg.use_moe_pad_mask,
                                      no_encoder_attn=no_encoder_attn), cfg)
 
 
@@ -199,11 +197,10 @@ def prepare_moe_build(args, sides):
     configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
     frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
     if 0 < frac < k / args.moe_expert_count:
-        logger.warning(
-            "--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take "
-            "fewer tokens than its fair share at validation and generation, so tokens will be "
-            "dropped even with a perfectly balanced router (use -1 for the training capacity)",
-            frac, k, args.moe_expert_count)
+        logger.warning("--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take fewer "
+                       "tokens than its fair share at validation and generation, so tokens will be dropped even "
+                       "with a perfectly balanced router (use -1 for the training capacity)", frac, k,
+                       args.moe_expert_count)
     # Where the model will run: a triton backend that cannot run there fails now, named. (Under
     # fairseq-hydra-train the model's config has no --cpu: then a backend that cannot run fails at
     # the first forward, before any update.)
@@ -223,9 +220,9 @@ class MoEModelMixin:
     def finish_moe(self, args):
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
         self._ddp_params_and_buffers_to_ignore = [n for n, p in self.named_parameters() if getattr(p, "expert", 0)]
+        side = "encoder" if args.moe_encoder_layer_ids else "decoder"
         logger.info("MoE layers: encoder %s, decoder %s; %d experts, top-%d", args.moe_encoder_layer_ids,
-                    args.moe_decoder_layer_ids, args.moe_expert_count, moe_config(
-                        args, "encoder" if args.moe_encoder_layer_ids else "decoder").top_k)
+                    args.moe_decoder_layer_ids, args.moe_expert_count, moe_config(args, side).top_k)
         return self
 
     def forward(self, *args, **kwargs):

@@ -1,8 +1,5 @@
-"""The `moe_transformer_lm` model: fairseq's decoder-only transformer LM with MoE in every N-th layer.
-
-Layer i (0-based) is MoE when (i + 1) % freq == 0, freq being --decoder-moe-freq or else --moe-freq.
-Everything else (embeddings, adaptive input, positions, norms, the flags) is fairseq's transformer_lm,
-so `fairseq-eval-lm`, `fairseq-generate`/`-interactive` and the hub interface work as with it.
+"""The `moe_transformer_lm` model: fairseq's transformer_lm (embeddings, adaptive input, positions, norms,
+flags: all fairseq's) with MoE in every N-th layer, so fairseq-eval-lm, -generate and the hub work as with it.
 """
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass

@@ -23,12 +23,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ExpertStatsConfig(FairseqDataclass):
-    moe_stats_file: Optional[str] = field(
-        default=None, metadata={"help": "append per-layer expert load as JSON lines to this file"}
-    )
-    moe_stats_interval: int = field(
-        default=100, metadata={"help": "updates between two lines of --moe-stats-file"}
-    )
+    moe_stats_file: Optional[str] = field(default=None, metadata={
+        "help": "append per-layer expert load as JSON lines to this file"})
+    moe_stats_interval: int = field(default=100, metadata={"help": "updates between two lines of --moe-stats-file"})
 
 
 class ExpertLoadLog:
