@@ -22,6 +22,8 @@ from fairseq_moe_kernels import backend as kernel_backend
 from .. import refusals
 from ..errors import FlagError
 from ..moe import GATES, MoEConfig
+from ..moe.gates import NOISES
+from ..moe.routing import ROUTINGS
 from ..moe.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
 
@@ -31,7 +33,9 @@ D = MoEConfig  # its field defaults are the defaults of the layer's flags
 # The layer's flags and their MoEConfig fields: their defaults are MoEConfig's (D), set here once.
 LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capacity_factor",
                "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
-               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend"}
+               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend", "moe_routing": "routing",
+               "moe_gate_noise": "gate_noise", "moe_gate_noise_scale": "gate_noise_scale",
+               "moe_eval_top_k": "eval_top_k"}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -67,6 +71,16 @@ def add_moe_args(parser, encoder=True):
         help=f"capacity at eval = ceil(FR * tokens); < 0: same as training; 0: dropless "
              f"(default {D.eval_capacity_token_fraction})")
     add("--moe-gate", choices=sorted(GATES), help=f"the router (default {D.gate})")
+    add("--moe-routing", choices=sorted(ROUTINGS),
+        help="who goes where: topk (each token picks its k experts), expert_choice (each expert picks "
+             "its ceil(CF * k * tokens / experts) tokens; encoder layers only), dense (every token to every "
+             f"expert, weighted) (default {D.routing})")
+    add("--moe-gate-noise", choices=NOISES,
+        help="training-only router noise: jitter multiplies the gate input by U(1-s, 1+s), gaussian adds "
+             f"N(0, s^2) to the logits (default {D.gate_noise})")
+    add("--moe-gate-noise-scale", type=float, metavar="S", help=f"s of --moe-gate-noise (default {D.gate_noise_scale})")
+    add("--moe-eval-top-k", type=int, metavar="K", help="experts per token at validation and generation "
+                                                       "(default: --moe-top-k)")
     add("--moe-gating-use-fp32", action="store_true",
         help="compute the gate projection in fp32 under fp16/bf16 training"
              + (" (the default)" if D.gate_fp32 else ""))
@@ -221,8 +235,8 @@ class MoEModelMixin:
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
         self._ddp_params_and_buffers_to_ignore = [n for n, p in self.named_parameters() if getattr(p, "expert", 0)]
         side = "encoder" if args.moe_encoder_layer_ids else "decoder"
-        logger.info("MoE layers: encoder %s, decoder %s; %d experts, top-%d", args.moe_encoder_layer_ids,
-                    args.moe_decoder_layer_ids, args.moe_expert_count, moe_config(args, side).top_k)
+        logger.info("MoE layers: encoder %s, decoder %s; %d experts, %s routing, k=%d", args.moe_encoder_layer_ids,
+                    args.moe_decoder_layer_ids, args.moe_expert_count, args.moe_routing, moe_config(args, side).top_k)
         return self
 
     def forward(self, *args, **kwargs):

@@ -2,6 +2,7 @@
 from .config import MoEConfig
 from .gates import GATES, register_gate
 from .layer import MoEAux, MoELayer
-from .routing import Routing, route
+from .routing import ROUTINGS, Routing, register_routing, route
 
-__all__ = ["GATES", "MoEAux", "MoEConfig", "MoELayer", "Routing", "register_gate", "route"]
+__all__ = ["GATES", "ROUTINGS", "MoEAux", "MoEConfig", "MoELayer", "Routing", "register_gate", "register_routing",
+           "route"]

@@ -6,6 +6,7 @@ E experts, k experts per token, C capacity (assignments an expert may take).
 import math
 from dataclasses import dataclass, fields
 from fractions import Fraction
+from typing import Optional
 
 from fairseq_moe_kernels import backend as kernel_backends
 
@@ -14,7 +15,9 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "num_experts": "--moe-expert-count", "top_k": "--moe-top-k", "capacity_factor": "--moe-capacity-factor",
          "eval_capacity_token_fraction": "--moe-eval-capacity-token-fraction", "gate": "--moe-gate",
          "gate_fp32": "--moe-gating-use-fp32", "activation": "--activation-fn",
-         "activation_dropout": "--activation-dropout", "kernel_backend": "--moe-kernel-backend"}
+         "activation_dropout": "--activation-dropout", "kernel_backend": "--moe-kernel-backend",
+         "routing": "--moe-routing", "gate_noise": "--moe-gate-noise", "gate_noise_scale": "--moe-gate-noise-scale",
+         "eval_top_k": "--moe-eval-top-k"}
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -44,10 +47,19 @@ class MoEConfig:
     activation_dropout: float = 0.0
     # Kernels of the layer: torch (kernels/reference.py), triton (fused), auto = triton on CUDA.
     kernel_backend: str = "auto"
+    # Who goes where (routing.ROUTINGS): topk, expert_choice, dense.
+    routing: str = "topk"
+    # Training-only noise: jitter multiplies the gate's input by U(1 - scale, 1 + scale) (Switch,
+    # DeepSpeed); gaussian adds N(0, scale^2) to the logits (Tutel's gate noise). Eval is noise-free.
+    gate_noise: str = "none"
+    gate_noise_scale: float = 0.01
+    # Experts per token at validation and generation (None: top_k).
+    eval_top_k: Optional[int] = None
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
-        from .gates import GATES  # late import: gates.py imports nothing of config
+        from .gates import GATES, NOISES  # late imports: neither imports config
+        from .routing import ROUTINGS
 
         def bad(name, why):
             raise ValueError(f"{FLAGS[name]} ({name}) {why}, got {getattr(self, name)!r}")
@@ -74,6 +86,19 @@ class MoEConfig:
             bad("activation_dropout", "must be in [0, 1)")
         if self.kernel_backend not in kernel_backends.BACKENDS:
             bad("kernel_backend", f"must be one of {list(kernel_backends.BACKENDS)}")
+        if self.routing not in ROUTINGS:
+            bad("routing", f"must be one of {sorted(ROUTINGS)}")
+        if self.routing == "expert_choice" and not self.capacity_factor > 0:
+            bad("capacity_factor", "must be > 0 with --moe-routing expert_choice (each expert takes "
+                                   "ceil(CF * k * tokens / experts) tokens; it has no dropless form)")
+        if self.gate_noise not in NOISES:
+            bad("gate_noise", f"must be one of {list(NOISES)}")
+        if not math.isfinite(self.gate_noise_scale) or not 0 <= self.gate_noise_scale < (
+                1 if self.gate_noise == "jitter" else math.inf):
+            bad("gate_noise_scale", "must be >= 0 (and < 1 with jitter)")
+        if self.eval_top_k is not None and not (isinstance(self.eval_top_k, int) and 1 <= self.eval_top_k
+                                                 <= self.num_experts):
+            bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")
         return self
 
     def capacity(self, num_tokens, training):
@@ -83,8 +108,8 @@ class MoEConfig:
         is 33.000000000000004, whose ceil would be one too many.
         """
         if not training and self.eval_capacity_token_fraction >= 0:
-            if self.eval_capacity_token_fraction == 0:
-                return None
+            if self.eval_capacity_token_fraction == 0:  # dropless (expert choice has no such form)
+                return self.capacity(num_tokens, True) if self.routing == "expert_choice" else None
             return math.ceil(_exact(self.eval_capacity_token_fraction) * num_tokens)
         if self.capacity_factor == 0:
             return None

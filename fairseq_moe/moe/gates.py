@@ -8,15 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+def registrar(table):
+    """The decorator factory of a registry: @register(name) puts the class or function in table."""
+    def register(name):
+        def wrap(obj):
+            table[name] = obj
+            return obj
+        return wrap
+
+    return register
+
+
 GATES = {}
-
-
-def register_gate(name):
-    def wrap(cls):
-        GATES[name] = cls
-        return cls
-
-    return wrap
+register_gate = registrar(GATES)
+NOISES = ("none", "jitter", "gaussian")  # --moe-gate-noise
 
 
 @register_gate("linear")
@@ -53,3 +58,15 @@ class CosineGate(nn.Module):
         dtype = torch.float32 if self.fp32 else x.dtype
         h = F.normalize(F.linear(x.to(dtype), self.proj.weight.to(dtype)).float(), dim=-1)
         return F.linear(h, F.normalize(self.weight.float(), dim=-1)) / self.temperature
+
+
+def noisy_logits(gate, x, noise="none", scale=0.0, training=False):
+    """gate(x) with the training-only noise of --moe-gate-noise: jitter multiplies x by U(1 - scale,
+    1 + scale) element-wise (Switch, DeepSpeed); gaussian adds N(0, scale^2) to the logits (Tutel's
+    gate noise). The draws come from torch's global generator; at eval the logits are gate(x)."""
+    if training and noise == "jitter" and scale:
+        x = x * torch.empty_like(x).uniform_(1.0 - scale, 1.0 + scale)
+    logits = gate(x)
+    if training and noise == "gaussian" and scale:
+        logits = logits + torch.randn_like(logits) * scale
+    return logits

@@ -2,14 +2,18 @@
 
     layer = MoELayer(MoEConfig(model_dim=512, ffn_dim=2048, num_experts=8, top_k=2))
     y, aux = layer(x)                 # x: [T, d] or [B, T, d]; y has x's shape
+    y, aux = layer(x, top_k=1, capacity_factor=2.0)   # other settings for this call only (Tutel)
     loss = task_loss + 0.01 * aux.balance_loss + 0.001 * aux.z_loss
 
-Data path: gate -> route (top-k, capacity) -> permute -> [all-to-all] -> grouped MLP
--> [all-to-all] -> unpermute. The all-to-alls run when the experts are spread over ranks (ep).
+Data path: gate -> route (the policy: top-k, expert choice, dense; capacity) -> permute ->
+[all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
+spread over ranks (ep).
 """
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -19,29 +23,25 @@ from fairseq_moe_kernels import backend
 from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
 from .config import MoEConfig
 from .experts import Experts
-from .gates import GATES
+from .gates import GATES, noisy_logits
 from .losses import balance_loss, gate_entropy, router_z_loss
 from .pipeline import pipelined_experts
-from .routing import route
+from .routing import ROUTINGS
 
 
 @dataclass
 class MoEAux:
     """What one forward of a layer returns besides y. Losses carry grad; statistics do not."""
 
-    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss
+    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss (0 where the policy balances)
     z_loss: torch.Tensor  # scalar, router z-loss
     demand: torch.Tensor  # [E] long, assignments per expert before dropping
     counts: torch.Tensor  # [E] long, assignments per expert after dropping
     num_tokens: int  # tokens routed (padding excluded)
     top_k: int
     entropy: torch.Tensor  # scalar, mean router entropy (nats)
-
-    @property
-    def dropped_fraction(self):
-        """Fraction of the T*k assignments that exceeded capacity."""
-        total = self.num_tokens * self.top_k
-        return 1.0 - self.counts.sum().item() / total if total else 0.0
+    dropped_fraction: float = 0.0  # top-k: of the T*k assignments, over capacity; expert choice: of
+    # the tokens, taken by no expert (Routing.dropped)
 
     @property
     def imbalance(self):
@@ -67,11 +67,18 @@ class MoELayer(nn.Module):
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep))
 
-    def forward(self, x, padding_mask=None):
+    def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
+        top_k, capacity_factor: other values for this call only (default: the config's; at eval the
+        config's eval_top_k when set).
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
+        cfg = self.cfg
+        k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
+        if k != cfg.top_k or capacity_factor is not None:
+            cf = cfg.capacity_factor if capacity_factor is None else capacity_factor
+            cfg = dataclasses.replace(cfg, top_k=k, capacity_factor=cf).validate()
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T_all, d]
         keep = None
@@ -81,11 +88,11 @@ class MoELayer(nn.Module):
             keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
             x = x.index_select(0, keep)
         T = x.shape[0]
-        ops = backend.ops(backend.resolve(self.cfg.kernel_backend, x.device, x.dtype))
+        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
 
-        logits = self.gate(x)  # [T, E] fp32
+        logits = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
-        r = route(logits, self.cfg.top_k, self.cfg.capacity(T, self.training), router)
+        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router)
         if self.ep is None:
             y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
         else:
@@ -94,7 +101,7 @@ class MoELayer(nn.Module):
 
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
-        aux = self._aux(logits, r, T)
+        aux = self._aux(logits, r, T, k)
         return y.view(shape), aux
 
     def _remote(self, rows, counts, ops):
@@ -110,16 +117,17 @@ class MoELayer(nn.Module):
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
         return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 
-    def _aux(self, logits, r, T):
-        if T == 0:  # nothing routed: zero losses that still belong to the graph
-            zero = self.gate.weight.sum() * 0.0
-            return MoEAux(zero, zero, r.demand, r.counts, 0, self.cfg.top_k, zero.detach())
+    def _aux(self, logits, r, T, k):
+        zero = self.gate.weight.sum() * 0.0  # a zero loss that still belongs to the graph
+        if T == 0:  # nothing routed
+            return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach())
         return MoEAux(
-            balance_loss=balance_loss(r.probs, r.top_experts),
+            balance_loss=zero if r.top_experts is None else balance_loss(r.probs, r.top_experts),
             z_loss=router_z_loss(logits),
             demand=r.demand.detach(),
             counts=r.counts.detach(),
             num_tokens=T,
-            top_k=self.cfg.top_k,
+            top_k=k,
             entropy=gate_entropy(r.probs.detach()),
+            dropped_fraction=r.dropped,
         )

@@ -1,8 +1,12 @@
-"""Routing: from router logits to who goes where, with capacity and dropping.
+"""Routing policies: from router logits to who goes where (--moe-routing; ROUTINGS is the registry).
 
-All in fp32 and without any [T, E, C] tensor: the T*k assignments are ordered by priority, sorted
-by expert (a stable sort keeps the priority order inside each expert), and an assignment is kept if
-its rank inside its expert is below the capacity C.
+A policy maps logits [T, E] to a Routing: rows sorted by expert, each with its token and its weight.
+- topk (route): each token picks its k experts; GShard priority dropping at capacity C. All in fp32
+  and without any [T, E, C] tensor: the T*k assignments are ordered by priority, sorted by expert (a
+  stable sort keeps the priority order inside each expert), and an assignment is kept if its rank
+  inside its expert is below C.
+- expert_choice (Zhou et al. 2022): each expert picks its top-C tokens; a token gets 0..E experts.
+- dense: every token goes to every expert, weighted by the router probabilities (no selection at all).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -10,6 +14,8 @@ from typing import Optional
 import torch
 
 from fairseq_moe_kernels.reference import sort_assignments
+
+from .gates import registrar
 
 
 @dataclass
@@ -23,11 +29,19 @@ class Routing:
     weights: torch.Tensor  # [N] fp32: the factor its expert output is scaled by (has grad)
     counts: torch.Tensor  # [E] long: kept rows per expert
     probs: torch.Tensor  # [T, E] fp32: router probabilities (for the balance loss)
-    top_experts: torch.Tensor  # [T, k] long: the chosen experts, before dropping
+    top_experts: Optional[torch.Tensor]  # [T, k] long: the chosen experts, before dropping (topk only:
+    # the balance loss reads it; None where the policy balances the load by construction)
     demand: torch.Tensor  # [E] long: assignments per expert before dropping
     capacity: Optional[int]  # None when dropless
+    dropped: float = 0.0  # topk: the fraction of the T*k assignments dropped; expert_choice: of the
+    # tokens no expert took
 
 
+ROUTINGS = {}  # name -> fn(logits [T, E], top_k, capacity, router) -> Routing (see route)
+register_routing = registrar(ROUTINGS)
+
+
+@register_routing("topk")
 def route(logits, top_k, capacity=None, router=None):
     """Top-k routing of logits[T, E] with GShard priority dropping.
 
@@ -77,4 +91,35 @@ def route(logits, top_k, capacity=None, router=None):
         top_experts=top_experts,
         demand=demand,
         capacity=capacity,
+        dropped=1.0 - kept_order.numel() / (T * top_k) if T else 0.0,
     )
+
+
+@register_routing("expert_choice")
+def expert_choice(logits, top_k, capacity, router=None):
+    """Each expert takes the C tokens it scores highest (probabilities: softmax over the experts), with
+    that probability as the weight; the rows of an expert are in token order. C = min(capacity, T):
+    capacity comes from MoEConfig.capacity (ceil(capacity_factor * k * T / E) in training), so a token
+    gets k experts on average. Mixes tokens: the choice for one token depends on the others."""
+    T, E = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    C = min(capacity, T)
+    top_w, top_t = probs.t().topk(C, dim=1)  # [E, C]: each expert's tokens by score
+    top_t, order = top_t.sort(dim=1)
+    token_index = top_t.reshape(-1)
+    counts = torch.full((E,), C, dtype=torch.long, device=logits.device)
+    taken = torch.zeros(T, dtype=torch.bool, device=logits.device).index_fill_(0, token_index, True)
+    return Routing(token_index=token_index, weights=top_w.gather(1, order).reshape(-1), counts=counts,
+                   probs=probs, top_experts=None, demand=counts, capacity=C,
+                   dropped=1.0 - taken.sum().item() / T if T else 0.0)
+
+
+@register_routing("dense")
+def dense(logits, top_k, capacity=None, router=None):
+    """Every token to every expert, weighted by its router probability: y = sum_e p_e(x) expert_e(x).
+    No selection, no capacity, nothing dropped (top_k and capacity are not used)."""
+    T, E = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    counts = torch.full((E,), T, dtype=torch.long, device=logits.device)
+    return Routing(token_index=torch.arange(T, device=logits.device).repeat(E), weights=probs.t().reshape(-1),
+                   counts=counts, probs=probs, top_experts=None, demand=counts, capacity=None)

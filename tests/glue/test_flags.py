@@ -23,6 +23,15 @@ def test_placement_and_settings(data_bin, tmp_path):
     assert b["encoder.layers.1.fc1"].moe.experts.w1.shape == (3, 32, 24)
 
 
+def test_routing_noise_and_eval_top_k_reach_the_layers(data_bin, tmp_path):
+    b = blocks(data_bin, tmp_path, "--moe-routing", "dense", "--moe-gate-noise", "jitter", "--moe-gate-noise-scale",
+               "0.05", "--moe-eval-top-k", "1")
+    cfg = b["decoder.layers.1.fc1"].moe.cfg
+    assert (cfg.routing, cfg.gate_noise, cfg.gate_noise_scale, cfg.eval_top_k) == ("dense", "jitter", 0.05, 1)
+    b = blocks(data_bin, tmp_path, "--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2")
+    assert sorted(b) == ["encoder.layers.1.fc1"] and b["encoder.layers.1.fc1"].moe.cfg.routing == "expert_choice"
+
+
 def test_defaults_and_aliases(data_bin, tmp_path):
     cfg = blocks(data_bin, tmp_path)["encoder.layers.1.fc1"].moe.cfg
     assert (cfg.top_k, cfg.ffn_dim, cfg.gate, cfg.gate_fp32) == (2, 64, "linear", True)
@@ -43,6 +52,11 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--activation-fn", "tanh"), "--activation-fn"),
     (("--moe-gate-loss-wt", "-0.1"), "--moe-gate-loss-wt"),
     (("--moe-a2a-overlap-degree", "0"), "--moe-a2a-overlap-degree"),
+    (("--moe-routing", "expert_choice"), "--moe-routing"),  # the decoder has MoE layers: refused
+    (("--moe-routing", "expert_choice", "--moe-capacity-factor", "0", "--moe-freq", "0", "--encoder-moe-freq", "2"),
+     "--moe-capacity-factor"),
+    (("--moe-gate-noise", "jitter", "--moe-gate-noise-scale", "1.5"), "--moe-gate-noise-scale"),
+    (("--moe-eval-top-k", "9"), "--moe-eval-top-k"),
     (("--quant-noise-pq", "0.1"), "--quant-noise-pq"),  # would skip the experts
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
@@ -55,6 +69,8 @@ def test_bad_settings_name_the_flag(data_bin, tmp_path, extra, flag):
 
 @pytest.mark.parametrize("extra, flag", [
     (("--moe-gate", "nope"), "--moe-gate"),
+    (("--moe-routing", "nope"), "--moe-routing"),
+    (("--moe-gate-noise", "nope"), "--moe-gate-noise"),
     (("--moe-gate-loss-combine-method", "median"), "--moe-gate-loss-combine-method"),
     (("--moe-expert-count", "two"), "--moe-expert-count"),
 ])

@@ -61,3 +61,30 @@ def moe_oracle(x, gate_weight, w1, b1, w2, b2, k, activation="relu", capacity=No
             y = y + w.to(x.dtype) * expert_mlp(x[t], int(top_e[j]), w1, b1, w2, b2, activation)
         out.append(y)
     return torch.stack(out)
+
+
+def expert_choice_oracle(probs, capacity):
+    """{expert: [(token, weight), ...] in token order}: each expert takes its `capacity` tokens of highest
+    probability (probs [T, E]), looked at one expert and one token at a time."""
+    T, E = probs.shape
+    out = {}
+    for e in range(E):
+        ranked = sorted(range(T), key=lambda t: -float(probs[t, e]))[:min(capacity, T)]
+        out[e] = [(t, probs[t, e]) for t in sorted(ranked)]
+    return out
+
+
+def policy_oracle(x, gate_weight, w1, b1, w2, b2, routing, capacity=None, activation="relu"):
+    """The layer's output for the expert_choice and dense policies, token by token: sum over the experts
+    that took the token (expert choice) or over all experts (dense) of probability * expert MLP."""
+    T, E = x.shape[0], w1.shape[0]
+    probs = torch.softmax(F.linear(x.float(), gate_weight.float()), -1)
+    if routing == "dense":
+        taken = {e: [(t, probs[t, e]) for t in range(T)] for e in range(E)}
+    else:
+        taken = expert_choice_oracle(probs, capacity)
+    out = [torch.zeros_like(x[t]) for t in range(T)]
+    for e, rows in taken.items():
+        for t, w in rows:
+            out[t] = out[t] + w.to(x.dtype) * expert_mlp(x[t], e, w1, b1, w2, b2, activation)
+    return torch.stack(out) if T else x.new_zeros(0, x.shape[1])

@@ -68,11 +68,12 @@ def _check_all_to_all(rank, W, local_size):
     assert torch.equal(x.grad, back)
 
 
-def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch"):
+def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch",
+                 routing="topk"):
     """The layer with its experts spread over the ranks equals the 1-rank layer (torch kernels, fp64;
     with kernel_backend="triton" the spread layer runs the Triton kernels, fp32 in the interpreter)."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
-                    eval_capacity_token_fraction=-1)
+                    eval_capacity_token_fraction=-1, routing=routing)
     dtype, tol = (torch.float64, 1e-12) if kernel_backend == "torch" else (torch.float32, 1e-5)
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)  # all E experts, the same weights on every rank
@@ -137,6 +138,9 @@ CHECKS = {
         (_check_bad_split, ()),
         (_check_layer, (4, 2, 1.0, None, 1, "triton")),  # Triton kernels (interpreter) across ranks
         (_check_layer, (4, 2, 0.0, None, 2, "triton")),  # ... and in the overlapped chunks
+        (_check_layer, (4, 2, 1.0, None, 1, "torch", "expert_choice")),  # every routing policy
+        (_check_layer, (4, 2, 0.0, None, 2, "torch", "dense")),
+        (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks

@@ -27,6 +27,14 @@ BAD = [  # (overrides, flag the message must name)
     (dict(activation="tanh"), "--activation-fn"),
     (dict(activation_dropout=-0.1), "--activation-dropout"),
     (dict(activation_dropout=1.0), "--activation-dropout"),
+    (dict(routing="hash-of-the-moon"), "--moe-routing"),
+    (dict(routing="expert_choice", capacity_factor=0.0), "--moe-capacity-factor"),  # no dropless form
+    (dict(gate_noise="pink"), "--moe-gate-noise"),
+    (dict(gate_noise_scale=-0.1), "--moe-gate-noise-scale"),
+    (dict(gate_noise="jitter", gate_noise_scale=1.0), "--moe-gate-noise-scale"),
+    (dict(gate_noise_scale=math.nan), "--moe-gate-noise-scale"),
+    (dict(eval_top_k=0), "--moe-eval-top-k"),
+    (dict(eval_top_k=5), "--moe-eval-top-k"),  # > E
 ]
 
 
@@ -51,6 +59,10 @@ def test_bad_value_names_its_flag(overrides, flag):
         dict(eval_capacity_token_fraction=1.0),
         dict(gate="cosine", activation="silu", activation_dropout=0.0),
         dict(activation="gelu", activation_dropout=0.9),
+        dict(routing="expert_choice", capacity_factor=1.5),
+        dict(routing="dense", capacity_factor=0.0),
+        dict(gate_noise="gaussian", gate_noise_scale=2.0),
+        dict(gate_noise="jitter", gate_noise_scale=0.1, eval_top_k=4),
     ],
 )
 def test_good_values_pass(overrides):

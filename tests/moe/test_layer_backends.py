@@ -20,10 +20,12 @@ def run(backend, cfg, x, mask, seed=0):
     return y.detach(), aux, grads
 
 
-@pytest.mark.parametrize("top_k, capacity_factor", [(1, 0.0), (2, 1.0), pytest.param(4, 0.0, marks=pytest.mark.slow)])
-def test_triton_layer_equals_torch_layer(top_k, capacity_factor):
+@pytest.mark.parametrize("top_k, capacity_factor, routing", [
+    (1, 0.0, "topk"), (2, 1.0, "topk"), pytest.param(4, 0.0, "topk", marks=pytest.mark.slow),
+    (2, 0.5, "expert_choice"), (2, 0.0, "dense")])
+def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
     cfg = dict(model_dim=20, ffn_dim=36, num_experts=5, top_k=top_k, capacity_factor=capacity_factor,
-               activation="gelu")
+               activation="gelu", routing=routing)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 7, 20, generator=g)
     mask = torch.zeros(3, 7, dtype=torch.bool)
@@ -33,7 +35,7 @@ def test_triton_layer_equals_torch_layer(top_k, capacity_factor):
     torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-6)
     assert torch.equal(aux_k.counts, aux_t.counts) and torch.equal(aux_k.demand, aux_t.demand)
     if capacity_factor:
-        assert aux_t.dropped_fraction > 0  # the capacity path is exercised
+        assert aux_t.dropped_fraction > 0  # the capacity path is exercised (expert choice: untaken tokens)
     torch.testing.assert_close(aux_k.balance_loss, aux_t.balance_loss)
     assert set(g_k) == set(g_t)
     for name in g_t:

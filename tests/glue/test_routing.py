@@ -1,0 +1,25 @@
+"""Every routing policy and router option trains under fairseq-train: the training loss falls."""
+import logging
+import re
+
+import pytest
+
+from .helpers import run_train, train_argv
+
+
+def train_losses(caplog, data_bin, tmp_path, *extra):
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    run_train(train_argv(data_bin, tmp_path, "--max-update", "12", "--lr", "0.005", "--no-save", *extra))
+    return [float(m) for m in re.findall(r"train_inner:.* loss=([0-9.]+),", caplog.text)]
+
+
+@pytest.mark.parametrize("extra", [
+    ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.5", "--moe-eval-top-k", "1"),
+    ("--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2"),
+    ("--moe-routing", "dense", "--moe-gate-noise", "jitter"),
+], ids=["topk-noise-eval-k", "expert_choice", "dense"])
+def test_routing_trains(caplog, data_bin, tmp_path, extra):
+    losses = train_losses(caplog, data_bin, tmp_path, *extra)
+    assert len(losses) == 12, caplog.text[-2000:]
+    assert sum(losses[-3:]) < sum(losses[:3])

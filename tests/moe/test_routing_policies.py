@@ -1,0 +1,159 @@
+"""Every routing policy of routing.ROUTINGS (a new one is covered by registering it), then each against
+an independent plain-loop oracle: expert choice (Zhou et al. 2022) gives every expert exactly C tokens,
+dense sends every token to every expert. Gate noise, per-call settings and the eval top-k."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fairseq_moe.moe import MoEConfig, MoELayer
+from fairseq_moe.moe.gates import noisy_logits
+from fairseq_moe.moe.routing import ROUTINGS
+
+from .oracle import expert_choice_oracle, policy_oracle
+
+T, E = 13, 4
+
+
+def logits_for(seed, T=T, E=E):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+@pytest.mark.parametrize("k, capacity", [(1, 5), (2, 4), (2, None)])
+def test_policy_contract(name, k, capacity):
+    if name == "expert_choice" and capacity is None:
+        capacity = 7  # MoEConfig gives expert choice a capacity always
+    logits = logits_for(k).requires_grad_()
+    r = ROUTINGS[name](logits, k, capacity)
+    N = r.token_index.numel()
+    assert r.token_index.shape == r.weights.shape == (N,) and r.counts.shape == r.demand.shape == (E,)
+    assert int(r.counts.sum()) == N and bool((r.token_index >= 0).all()) and bool((r.token_index < T).all())
+    assert bool((r.weights >= 0).all()) and r.probs.shape == (T, E)
+    if r.capacity is not None:
+        assert int(r.counts.max()) <= r.capacity  # never over capacity
+    # Inside an expert's rows a token appears at most once.
+    for rows in torch.split(r.token_index, r.counts.tolist()):
+        assert rows.unique().numel() == rows.numel()
+    assert 0.0 <= r.dropped <= 1.0
+    (r.weights * torch.arange(N, dtype=torch.float64)).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0  # the router learns through the weights
+    again = ROUTINGS[name](logits.detach(), k, capacity)
+    assert torch.equal(again.token_index, r.token_index) and torch.equal(again.weights, r.weights.detach())
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 13, 20])
+def test_expert_choice_gives_every_expert_exactly_c_tokens(capacity):
+    logits = logits_for(3)
+    r = ROUTINGS["expert_choice"](logits, 2, capacity)
+    C = min(capacity, T)
+    assert r.counts.tolist() == [C] * E
+    expected = expert_choice_oracle(torch.softmax(logits.float(), -1), capacity)  # routing is fp32
+    rows = torch.split(torch.arange(r.token_index.numel()), r.counts.tolist())
+    for e in range(E):
+        assert r.token_index[rows[e]].tolist() == [t for t, _ in expected[e]]
+        assert torch.equal(r.weights[rows[e]], torch.stack([w for _, w in expected[e]]))
+    per_token = torch.bincount(r.token_index, minlength=T)
+    assert r.dropped == pytest.approx(float((per_token == 0).double().mean()))  # 0..E experts per token
+
+
+def test_dense_routes_every_token_to_every_expert():
+    logits = logits_for(4)
+    r = ROUTINGS["dense"](logits, 2, 3)  # k and capacity are not used
+    assert r.counts.tolist() == [T] * E and r.dropped == 0.0
+    assert torch.equal(r.token_index, torch.arange(T).repeat(E))
+    torch.testing.assert_close(r.weights.view(E, T).t(), torch.softmax(logits.float(), -1))
+
+
+@pytest.mark.parametrize("routing, k, cf, training", [
+    ("expert_choice", 1, 1.0, True), ("expert_choice", 2, 1.5, True), ("expert_choice", 2, 1.0, False),
+    ("dense", 2, 0.0, True),
+])
+def test_layer_matches_plain_loop(routing, k, cf, training):
+    """Output and every gradient of the layer equal a token-by-token loop (fp64)."""
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=cf, routing=routing,
+                    eval_capacity_token_fraction=0.0, activation="gelu")
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).double().train(training)
+    x = torch.randn(T, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, aux = layer(x1)
+    ex = layer.experts
+    params = [layer.gate.weight, ex.w1, ex.b1, ex.w2, ex.b2]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    capacity = math.ceil(cf * k * T / E) if routing == "expert_choice" else None  # eval fraction 0: as training
+    want = policy_oracle(x2, *copies, routing, capacity, activation="gelu")
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    assert float(aux.balance_loss) == 0.0 and aux.imbalance == 1.0
+    weight = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y)
+    (y * weight).sum().backward()
+    (want * weight).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+    for p, c in zip(params, copies):
+        torch.testing.assert_close(p.grad, c.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("routing", ["expert_choice", "dense"])
+def test_policies_with_padding_and_no_tokens(routing):
+    layer = MoELayer(MoEConfig(model_dim=4, ffn_dim=6, num_experts=3, routing=routing))
+    y, aux = layer(torch.randn(0, 4))
+    assert y.shape == (0, 4) and aux.num_tokens == 0
+    x = torch.randn(2, 5, 4)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    y, aux = layer(x, mask)
+    assert aux.num_tokens == 8 and bool((y[0, 3:] == 0).all())
+    alone, _ = layer(x[1:], mask[1:])  # a sentence's output does not depend on padding
+    if routing == "dense":
+        torch.testing.assert_close(alone, y[1:])
+
+
+@pytest.mark.parametrize("noise", ["jitter", "gaussian"])
+def test_gate_noise_is_training_only_and_seeded(noise):
+    cfg = MoEConfig(model_dim=8, ffn_dim=6, num_experts=4, gate_noise=noise, gate_noise_scale=0.3)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    torch.manual_seed(0)
+    clean = MoELayer(dataclasses.replace(cfg, gate_noise="none"))
+    x = torch.randn(10, 8)
+    layer.eval(), clean.eval()
+    assert torch.equal(layer(x)[0], clean(x)[0])  # eval: noise-free
+    layer.train(), clean.train()
+    torch.manual_seed(1)
+    a = noisy_logits(layer.gate, x, noise, 0.3, True)
+    torch.manual_seed(1)
+    b = noisy_logits(layer.gate, x, noise, 0.3, True)
+    assert torch.equal(a, b) and not torch.equal(a, layer.gate(x))  # seeded, and noisy
+    if noise == "gaussian":
+        assert 0.2 < float((a - layer.gate(x)).std()) < 0.4
+    else:  # the gate sees x scaled element-wise by a factor in [0.7, 1.3]
+        torch.manual_seed(1)
+        factor = torch.empty_like(x).uniform_(0.7, 1.3)
+        torch.testing.assert_close(a, layer.gate(x * factor))
+        assert bool(((factor >= 0.7) & (factor <= 1.3)).all())
+
+
+def test_per_call_settings_and_eval_top_k():
+    """forward(x, top_k=, capacity_factor=) equals a layer built with those settings (same weights);
+    eval_top_k is the k of eval only."""
+    base = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=1.0,
+                     eval_capacity_token_fraction=-1)
+    x = torch.randn(9, 6)
+
+    def layer(**overrides):
+        torch.manual_seed(0)
+        return MoELayer(dataclasses.replace(base, **overrides))
+
+    two = layer()
+    y, aux = two(x, top_k=1, capacity_factor=2.0)
+    y1, aux1 = layer(top_k=1, capacity_factor=2.0)(x)
+    assert torch.equal(y, y1) and aux.top_k == 1 and torch.equal(aux.counts, aux1.counts)
+    assert torch.equal(two(x)[0], layer()(x)[0])  # the call's settings did not stay
+    eval_one = layer(eval_top_k=1)
+    assert torch.equal(eval_one(x)[0], two(x)[0])  # training: top_k
+    eval_one.eval()
+    top1 = layer(top_k=1).eval()
+    assert torch.equal(eval_one(x)[0], top1(x)[0]) and eval_one(x)[1].top_k == 1
+    with pytest.raises(ValueError, match="--moe-top-k"):
+        two(x, top_k=5)
