@@ -22,6 +22,7 @@ from fairseq_moe_kernels import backend as kernel_backend
 from .. import refusals
 from ..errors import FlagError
 from ..moe import GATES, MoEConfig
+from ..moe.config import EXPERT_GRAD_NORMALIZATIONS, SECOND_EXPERT_POLICIES
 from ..moe.gates import NOISES
 from ..moe.routing import ROUTINGS
 from ..moe.comm import expert_parallel
@@ -35,7 +36,11 @@ LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capaci
                "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
                "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend", "moe_routing": "routing",
                "moe_gate_noise": "gate_noise", "moe_gate_noise_scale": "gate_noise_scale",
-               "moe_eval_top_k": "eval_top_k"}
+               "moe_eval_top_k": "eval_top_k", "moe_second_expert_policy": "second_expert_policy",
+               "moe_normalize_gate_prob_before_dropping": "normalize_gate_prob_before_dropping",
+               "moe_batch_prioritized_routing": "batch_prioritized_routing",
+               "moe_random_token_selection": "random_token_selection",
+               "moe_normalize_expert_grad": "expert_grad_normalization"}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -81,6 +86,20 @@ def add_moe_args(parser, encoder=True):
     add("--moe-gate-noise-scale", type=float, metavar="S", help=f"s of --moe-gate-noise (default {D.gate_noise_scale})")
     add("--moe-eval-top-k", type=int, metavar="K", help="experts per token at validation and generation "
                                                        "(default: --moe-top-k)")
+    # Options of topk routing, as in fairseq's moe branch (and DeepSpeed's random token selection).
+    add("--moe-second-expert-policy", choices=SECOND_EXPERT_POLICIES,
+        help="choices 2..k in training: all (the k best), sampling (drawn from the softmax of the rest), "
+             f"random (kept with probability 2 x its weight) (default {D.second_expert_policy}; the moe "
+             "branch's is sampling)")
+    add("--moe-normalize-gate-prob-before-dropping", action="store_true",
+        help="renormalise the weights over the k choices before capacity dropping (default: after, over the kept)")
+    add("--moe-batch-prioritized-routing", action="store_true",
+        help="at capacity, tokens with the highest router probability first (default: by position)")
+    add("--moe-random-token-selection", action="store_true",
+        help="at capacity, tokens in a random order in training (DeepSpeed's RTS)")
+    add("--moe-normalize-expert-grad", choices=EXPERT_GRAD_NORMALIZATIONS,
+        help="with the experts spread over W ranks, divide their gradients by W (as data parallelism: W ranks "
+             f"== 1 process) or by sqrt(W x replicas) (default {D.expert_grad_normalization})")
     add("--moe-gating-use-fp32", action="store_true",
         help="compute the gate projection in fp32 under fp16/bf16 training"
              + (" (the default)" if D.gate_fp32 else ""))

@@ -168,15 +168,19 @@ def all_to_all(x, send_counts, recv_counts, ep):
     return _AllToAll.apply(x, send_counts, recv_counts, ep)
 
 
-def expert_grad_hook(grad, ep):
+def expert_grad_hook(grad, ep, normalization="world_size"):
     """The gradient of an expert parameter, made to match data parallelism's convention.
 
     Through the all-to-all an expert's gradient already sums the tokens of every rank of its EP
     group, while data parallelism averages the shared parameters' gradients over the W ranks.
     So: sum over the replicas of the expert, divide by W. Run as a tensor hook, once per backward
     (gradient accumulation adds the results, as it should); every replica runs the same backward.
+    normalization "sqrt_world_size" (fairseq's moe branch, --moe-normalize-expert-grad): divide by
+    replicas * sqrt(P) = sqrt(W * replicas) instead, so the experts' steps grow with sqrt(P).
     """
     if ep.replicas > 1:
         grad = grad.clone()
         dist.all_reduce(grad, group=ep.replica_group)
+    if normalization == "sqrt_world_size":
+        return grad / (ep.replicas * ep.size ** 0.5)
     return grad / dist.get_world_size()

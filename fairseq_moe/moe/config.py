@@ -17,7 +17,13 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "gate_fp32": "--moe-gating-use-fp32", "activation": "--activation-fn",
          "activation_dropout": "--activation-dropout", "kernel_backend": "--moe-kernel-backend",
          "routing": "--moe-routing", "gate_noise": "--moe-gate-noise", "gate_noise_scale": "--moe-gate-noise-scale",
-         "eval_top_k": "--moe-eval-top-k"}
+         "eval_top_k": "--moe-eval-top-k", "second_expert_policy": "--moe-second-expert-policy",
+         "normalize_gate_prob_before_dropping": "--moe-normalize-gate-prob-before-dropping",
+         "batch_prioritized_routing": "--moe-batch-prioritized-routing",
+         "random_token_selection": "--moe-random-token-selection",
+         "expert_grad_normalization": "--moe-normalize-expert-grad"}
+SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
+EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -55,6 +61,14 @@ class MoEConfig:
     gate_noise_scale: float = 0.01
     # Experts per token at validation and generation (None: top_k).
     eval_top_k: Optional[int] = None
+    # Options of topk routing (routing.route): fairseq's moe branch and DeepSpeed.
+    second_expert_policy: str = "all"
+    normalize_gate_prob_before_dropping: bool = False
+    batch_prioritized_routing: bool = False
+    random_token_selection: bool = False
+    # With the experts spread over W ranks, an expert's gradient is divided by W (data parallelism's
+    # average: W ranks == 1 process) or, as the moe branch's option, by sqrt(W * replicas).
+    expert_grad_normalization: str = "world_size"
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
@@ -96,6 +110,20 @@ class MoEConfig:
         if not math.isfinite(self.gate_noise_scale) or not 0 <= self.gate_noise_scale < (
                 1 if self.gate_noise == "jitter" else math.inf):
             bad("gate_noise_scale", "must be >= 0 (and < 1 with jitter)")
+        if self.second_expert_policy not in SECOND_EXPERT_POLICIES:
+            bad("second_expert_policy", f"must be one of {list(SECOND_EXPERT_POLICIES)}")
+        for name in ("second_expert_policy", "normalize_gate_prob_before_dropping"):
+            if getattr(self, name) not in ("all", False) and (self.top_k < 2 or self.routing != "topk"):
+                bad(name, f"applies to the second and later choices of --moe-routing topk (here "
+                          f"--moe-routing {self.routing}, --moe-top-k {self.top_k})")
+        for name in ("batch_prioritized_routing", "random_token_selection"):
+            if getattr(self, name) and self.routing != "topk":
+                bad(name, f"applies to --moe-routing topk (here {self.routing})")
+        if self.batch_prioritized_routing and self.random_token_selection:
+            bad("random_token_selection", "and --moe-batch-prioritized-routing are two different priorities: "
+                                          "choose one")
+        if self.expert_grad_normalization not in EXPERT_GRAD_NORMALIZATIONS:
+            bad("expert_grad_normalization", f"must be one of {list(EXPERT_GRAD_NORMALIZATIONS)}")
         if self.eval_top_k is not None and not (isinstance(self.eval_top_k, int) and 1 <= self.eval_top_k
                                                  <= self.num_experts):
             bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")

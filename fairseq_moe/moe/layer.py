@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         )
         if ep is not None:
             for p in self.experts.parameters():
-                p.register_hook(partial(expert_grad_hook, ep=ep))
+                p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
 
     def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
@@ -92,7 +92,7 @@ class MoELayer(nn.Module):
 
         logits = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
-        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router)
+        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training)
         if self.ep is None:
             y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
         else:

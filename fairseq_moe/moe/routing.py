@@ -37,66 +37,100 @@ class Routing:
     # tokens no expert took
 
 
-ROUTINGS = {}  # name -> fn(logits [T, E], top_k, capacity, router) -> Routing (see route)
+ROUTINGS = {}  # name -> fn(logits [T, E], top_k, capacity, router, options, training) -> Routing (see route)
 register_routing = registrar(ROUTINGS)
 
 
 @register_routing("topk")
-def route(logits, top_k, capacity=None, router=None):
+def route(logits, top_k, capacity=None, router=None, options=None, training=False):
     """Top-k routing of logits[T, E] with GShard priority dropping.
 
-    router: None (torch ops here) or a fused op with the contract of fairseq_moe_kernels.reference.router.
+    router: None (torch ops here) or a fused op with the contract of fairseq_moe_kernels.reference.router
+    (used when no option below changes the selection or the priority).
+    options: the MoEConfig (None: the defaults), for the options of fairseq's moe branch and DeepSpeed:
+    - second_expert_policy: "all" (the k best), "sampling" (choices 2..k drawn by the Gumbel-max trick
+      from the softmax over the experts not chosen yet), "random" (choice j >= 2 kept with probability
+      min(1, 2 * its weight), before capacity); both in training only.
+    - normalize_gate_prob_before_dropping: weights renormalised over the k choices before dropping
+      (a dropped choice is then lost weight), instead of over the kept ones after.
+    - batch_prioritized_routing: inside one choice rank, tokens by their highest probability, not by
+      position; random_token_selection (training only): in a random order.
 
     Priority: every token's first choice comes before any token's second choice, and so on;
-    inside one choice rank, earlier tokens first. Weights: for k = 1 the raw router probability
-    (Switch: the router learns through the output); for k >= 2 the probabilities renormalised
-    over the choices that were kept (fairseq's moe branch).
+    inside one choice rank, earlier tokens first (or as the options say). Weights: for k = 1 the raw
+    router probability (Switch: the router learns through the output); for k >= 2 the probabilities
+    renormalised over the choices that were kept (fairseq's moe branch).
     """
     T, E = logits.shape
+    policy = getattr(options, "second_expert_policy", "all") if top_k > 1 and training else "all"
+    before = getattr(options, "normalize_gate_prob_before_dropping", False) and top_k > 1
+    by_score = getattr(options, "batch_prioritized_routing", False)
+    shuffle = getattr(options, "random_token_selection", False) and training
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E], also what the balance loss reads
-    if router is None:
-        top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
-        demand, order = sort_assignments(top_experts, E)
-    else:  # a fused kernel with fairseq_moe_kernels.reference.router's contract (raw probabilities)
+    valid = None  # [T, k] bool: the choices that ask for an expert (policy "random" thins them)
+    if router is not None and policy == "all" and not (by_score or shuffle):
+        # a fused kernel with fairseq_moe_kernels.reference.router's contract (raw probabilities)
         top_probs, top_experts, demand, order = router(logits, top_k)
-    # Assignment a = j * T + t is token t's j-th choice: this flat order is the priority order, and
-    # order (sorted by expert, stable) keeps it inside each expert.
-    flat_expert = top_experts.t().reshape(-1)  # [k*T]
+        perm = None
+    else:
+        if policy == "sampling":
+            first = probs.argmax(-1, keepdim=True)
+            gumbel = -torch.empty_like(probs).exponential_().log()  # Gumbel(0, 1)
+            rest = (logits.float() + gumbel).scatter(1, first, float("-inf")).topk(top_k - 1, dim=-1).indices
+            top_experts = torch.cat([first, rest], 1)
+            top_probs = probs.gather(1, top_experts)
+        else:
+            top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
+        if policy == "random":
+            g = top_probs / top_probs.sum(-1, keepdim=True) if before else top_probs
+            valid = torch.cat([torch.ones_like(g[:, :1], dtype=torch.bool),
+                               2 * g[:, 1:] > torch.rand_like(g[:, 1:])], 1)
+        perm = (torch.randperm(T, device=logits.device) if shuffle else
+                torch.argsort(-probs.max(-1).values, stable=True) if by_score else None)
+        ranked = top_experts if perm is None else top_experts[perm]
+        if valid is not None:  # a thinned choice asks for expert E, sorted after every real one
+            ranked = torch.where(valid if perm is None else valid[perm], ranked, E)
+        demand, order = sort_assignments(ranked, E + 1)
+        demand, order = demand[:E], order[:int(demand[:E].sum())]
+    # Assignment a = j * T + i is the j-th choice of the token of priority rank i (token perm[i]):
+    # this flat order is the priority order, and order (sorted by expert, stable) keeps it inside
+    # each expert.
+    flat_expert = (top_experts if perm is None else top_experts[perm]).t().reshape(-1)  # [k*T]
     if capacity is None:
-        kept_order = order
-        counts = demand
-        kept = torch.ones_like(flat_expert, dtype=torch.bool)
+        kept_order, counts = order, demand
     else:
         starts = torch.cumsum(demand, 0) - demand  # [E] first sorted row of each expert
         rank = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
-        keep_sorted = rank < capacity
-        kept_order = order[keep_sorted]
-        counts = demand.clamp(max=capacity)
-        kept = torch.zeros_like(flat_expert, dtype=torch.bool)
-        kept[order] = keep_sorted
-
+        kept_order, counts = order[rank < capacity], demand.clamp(max=capacity)
+    kept = torch.zeros(top_k * T, dtype=torch.bool, device=logits.device).index_fill_(0, kept_order, True)
+    kept_tk = kept.view(top_k, T).t()  # [T, k], rows in priority order
+    if perm is not None:
+        kept_tk = torch.empty_like(kept_tk).index_copy_(0, perm, kept_tk)  # rows in token order
     if top_k == 1:
         weights = top_probs
+    elif before:
+        weights = top_probs * kept_tk / top_probs.sum(-1, keepdim=True).clamp(min=torch.finfo(top_probs.dtype).eps)
     else:
-        kept_tk = kept.view(top_k, T).t()  # [T, k]
         masked = top_probs * kept_tk
         denom = masked.sum(-1, keepdim=True).clamp(min=torch.finfo(masked.dtype).eps)
         weights = masked / denom
-    flat_weights = weights.t().reshape(-1)  # [k*T] in assignment order
+    flat_weights = (weights if perm is None else weights[perm]).t().reshape(-1)  # [k*T] in assignment order
+    token_index = kept_order % T
+    asked = int(demand.sum())
     return Routing(
-        token_index=kept_order % T,
+        token_index=token_index if perm is None else perm[token_index],
         weights=flat_weights[kept_order],
         counts=counts,
         probs=probs,
         top_experts=top_experts,
         demand=demand,
         capacity=capacity,
-        dropped=1.0 - kept_order.numel() / (T * top_k) if T else 0.0,
+        dropped=1.0 - kept_order.numel() / asked if asked else 0.0,
     )
 
 
 @register_routing("expert_choice")
-def expert_choice(logits, top_k, capacity, router=None):
+def expert_choice(logits, top_k, capacity, router=None, options=None, training=False):
     """Each expert takes the C tokens it scores highest (probabilities: softmax over the experts), with
     that probability as the weight; the rows of an expert are in token order. C = min(capacity, T):
     capacity comes from MoEConfig.capacity (ceil(capacity_factor * k * T / E) in training), so a token
@@ -115,7 +149,7 @@ def expert_choice(logits, top_k, capacity, router=None):
 
 
 @register_routing("dense")
-def dense(logits, top_k, capacity=None, router=None):
+def dense(logits, top_k, capacity=None, router=None, options=None, training=False):
     """Every token to every expert, weighted by its router probability: y = sum_e p_e(x) expert_e(x).
     No selection, no capacity, nothing dropped (top_k and capacity are not used)."""
     T, E = logits.shape

@@ -60,6 +60,7 @@ def launched(data_bin, tmp_path_factory):
     (2, ()),
     (2, ("--moe-a2a-overlap-degree", "3")),
     (4, ("--moe-a2a-local-size", "2")),
+    (2, ("--moe-routing", "expert_choice", "--moe-capacity-factor", "1.5", "--moe-freq", "0", "--encoder-moe-freq", "1")),
 ])
 def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).
@@ -67,7 +68,7 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     run = (request.getfixturevalue("launched") if (world_size, extra) == (2, ())
            else Launched(world_size, many, train_argv(data_bin, many, *COMMON, *extra)))
     one = tmp_path / "one"
-    run_train(train_argv(data_bin, one, *COMMON, "--update-freq", str(world_size)))
+    run_train(train_argv(data_bin, one, *COMMON, *extra, "--update-freq", str(world_size)))  # (the a2a flags: no-ops here)
     many, out = run.result()
     if "--moe-a2a-local-size" in extra:
         assert "hierarchical 2x2 all-to-all" in out.stderr + out.stdout

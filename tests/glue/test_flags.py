@@ -28,6 +28,12 @@ def test_routing_noise_and_eval_top_k_reach_the_layers(data_bin, tmp_path):
                "0.05", "--moe-eval-top-k", "1")
     cfg = b["decoder.layers.1.fc1"].moe.cfg
     assert (cfg.routing, cfg.gate_noise, cfg.gate_noise_scale, cfg.eval_top_k) == ("dense", "jitter", 0.05, 1)
+    b = blocks(data_bin, tmp_path, "--moe-second-expert-policy", "random", "--moe-normalize-gate-prob-before-dropping",
+               "--moe-batch-prioritized-routing", "--moe-normalize-expert-grad", "sqrt_world_size")
+    cfg = b["encoder.layers.1.fc1"].moe.cfg
+    assert (cfg.second_expert_policy, cfg.normalize_gate_prob_before_dropping, cfg.batch_prioritized_routing,
+            cfg.random_token_selection, cfg.expert_grad_normalization) == ("random", True, True, False, "sqrt_world_size")
+    assert blocks(data_bin, tmp_path, "--moe-random-token-selection")["encoder.layers.1.fc1"].moe.cfg.random_token_selection
     b = blocks(data_bin, tmp_path, "--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2")
     assert sorted(b) == ["encoder.layers.1.fc1"] and b["encoder.layers.1.fc1"].moe.cfg.routing == "expert_choice"
 
@@ -57,6 +63,8 @@ def test_defaults_and_aliases(data_bin, tmp_path):
      "--moe-capacity-factor"),
     (("--moe-gate-noise", "jitter", "--moe-gate-noise-scale", "1.5"), "--moe-gate-noise-scale"),
     (("--moe-eval-top-k", "9"), "--moe-eval-top-k"),
+    (("--moe-second-expert-policy", "sampling", "--moe-top-k", "1"), "--moe-second-expert-policy"),
+    (("--moe-batch-prioritized-routing", "--moe-random-token-selection"), "--moe-random-token-selection"),
     (("--quant-noise-pq", "0.1"), "--quant-noise-pq"),  # would skip the experts
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),

@@ -18,7 +18,10 @@ def train_losses(caplog, data_bin, tmp_path, *extra):
     ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.5", "--moe-eval-top-k", "1"),
     ("--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2"),
     ("--moe-routing", "dense", "--moe-gate-noise", "jitter"),
-], ids=["topk-noise-eval-k", "expert_choice", "dense"])
+    ("--moe-second-expert-policy", "sampling", "--moe-normalize-gate-prob-before-dropping",
+     "--moe-batch-prioritized-routing", "--moe-capacity-factor", "0.5"),
+    ("--moe-second-expert-policy", "random", "--moe-random-token-selection", "--moe-capacity-factor", "0.5"),
+], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts"])
 def test_routing_trains(caplog, data_bin, tmp_path, extra):
     losses = train_losses(caplog, data_bin, tmp_path, *extra)
     assert len(losses) == 12, caplog.text[-2000:]

@@ -88,3 +88,30 @@ def policy_oracle(x, gate_weight, w1, b1, w2, b2, routing, capacity=None, activa
         for t, w in rows:
             out[t] = out[t] + w.to(x.dtype) * expert_mlp(x[t], e, w1, b1, w2, b2, activation)
     return torch.stack(out) if T else x.new_zeros(0, x.shape[1])
+
+
+def topk_oracle(probs, k, capacity, order=None, before=False, valid=None):
+    """(token_index, weights, counts) of top-k routing with the moe branch's options, built token by
+    token: choice rank by choice rank, tokens in `order` (default: position); a choice (t, j) with
+    valid[t][j] False asks for nothing; weights renormalised over the kept choices, or (before) over
+    all k choices before dropping."""
+    T, E = probs.shape
+    top_p, top_e = probs.topk(k, -1)
+    order = list(range(T)) if order is None else list(order)
+    taken, kept = {}, set()
+    for j in range(k):
+        for t in order:
+            if valid is not None and not valid[t][j]:
+                continue
+            rows = taken.setdefault(int(top_e[t, j]), [])
+            if capacity is None or len(rows) < capacity:
+                rows.append((j, t))
+                kept.add((t, j))
+    token_index, weights = [], []
+    for e in range(E):
+        for j, t in taken.get(e, []):
+            denom = sum(top_p[t]) if before else sum(top_p[t, i] for i in range(k) if (t, i) in kept)
+            token_index.append(t)
+            weights.append(top_p[t, j] if k == 1 else top_p[t, j] / denom)
+    counts = [len(taken.get(e, [])) for e in range(E)]
+    return torch.tensor(token_index, dtype=torch.long), torch.stack(weights), torch.tensor(counts)

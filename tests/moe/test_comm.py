@@ -69,11 +69,11 @@ def _check_all_to_all(rank, W, local_size):
 
 
 def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch",
-                 routing="topk"):
+                 routing="topk", normalization="world_size"):
     """The layer with its experts spread over the ranks equals the 1-rank layer (torch kernels, fp64;
     with kernel_backend="triton" the spread layer runs the Triton kernels, fp32 in the interpreter)."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
-                    eval_capacity_token_fraction=-1, routing=routing)
+                    eval_capacity_token_fraction=-1, routing=routing, expert_grad_normalization=normalization)
     dtype, tol = (torch.float64, 1e-12) if kernel_backend == "torch" else (torch.float32, 1e-5)
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)  # all E experts, the same weights on every rank
@@ -106,11 +106,13 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     torch.testing.assert_close(x2.grad, x1.grad, rtol=tol, atol=tol)
     torch.testing.assert_close(spread.gate.weight.grad, full.gate.weight.grad, rtol=tol, atol=tol)
     # An expert's gradient gathers the tokens of every rank (its EP group's through the all-to-all,
-    # the other groups' through its replicas), divided by W as data parallelism averages.
+    # the other groups' through its replicas), divided by W as data parallelism averages (or, with the
+    # moe branch's sqrt_world_size, by replicas * sqrt(P)).
+    divisor = W if normalization == "world_size" else ep.replicas * ep.size ** 0.5
     for name in ("w1", "b1", "w2", "b2"):
         grad = getattr(full.experts, name).grad.clone()
         dist.all_reduce(grad)
-        torch.testing.assert_close(getattr(spread.experts, name).grad, grad[lo:hi] / W,
+        torch.testing.assert_close(getattr(spread.experts, name).grad, grad[lo:hi] / divisor,
                                    rtol=10 * tol, atol=tol)
     if kernel_backend == "triton":
         ops.grouped_mlp = mlp
@@ -146,6 +148,7 @@ CHECKS = {
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
         (_check_layer, (8, 2, 1.0, 2)),  # capacity dropping, hierarchical all-to-all
         (_check_layer, (2, 1, 0.0, None)),  # W/E = 2 replicas of each expert
+        (_check_layer, (2, 1, 0.0, None, 1, "torch", "topk", "sqrt_world_size")),  # ... divided by 2 * sqrt(2)
         (_check_layer, (4, 4, 0.0, None)),  # k = 4
         (_check_layer, (8, 2, 1.0, None, 2)),  # overlap, capacity dropping, a rank with no tokens
     ],

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 def run(backend, cfg, x, mask, seed=0):
     torch.manual_seed(seed)
     layer = MoELayer(MoEConfig(**cfg, kernel_backend=backend))
+    torch.manual_seed(seed + 1)  # the same draws for the options that draw (training)
     x = x.clone().requires_grad_()
     y, aux = layer(x, mask)
     loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + 0.1 * aux.balance_loss + 0.01 * aux.z_loss
@@ -22,10 +23,14 @@ def run(backend, cfg, x, mask, seed=0):
 
 @pytest.mark.parametrize("top_k, capacity_factor, routing", [
     (1, 0.0, "topk"), (2, 1.0, "topk"), pytest.param(4, 0.0, "topk", marks=pytest.mark.slow),
-    (2, 0.5, "expert_choice"), (2, 0.0, "dense")])
+    (2, 0.5, "expert_choice"), (2, 0.0, "dense"), (2, 1.0, "batch_prioritized_routing"),
+    (2, 1.0, "second_expert_policy=sampling")])
 def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
+    """Options of top-k routing skip the fused router; the rest of the Triton path stays."""
+    option = {"batch_prioritized_routing": dict(batch_prioritized_routing=True),
+              "second_expert_policy=sampling": dict(second_expert_policy="sampling")}.get(routing)
     cfg = dict(model_dim=20, ffn_dim=36, num_experts=5, top_k=top_k, capacity_factor=capacity_factor,
-               activation="gelu", routing=routing)
+               activation="gelu", **(option or dict(routing=routing)))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 7, 20, generator=g)
     mask = torch.zeros(3, 7, dtype=torch.bool)
