@@ -3,7 +3,7 @@
 loss = task loss + moe_gate_loss_wt * balance loss + moe_z_loss_wt * z-loss. The logged `loss` and
 `nll_loss` stay the task's own (comparable with a dense run); the router terms are logged beside them.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
@@ -16,11 +16,16 @@ from .moe_loss import MoELossConfig, add_moe_loss, check_moe_loss_config, reduce
 
 
 class MoECriterionMixin:
-    """Adds the router losses to the parent criterion's loss; keeps the parent's metrics."""
+    """Adds the router losses to the parent criterion's loss; keeps the parent's metrics. The parent's
+    __init__ stays as it is: its MoELossConfig is read from the criterion's config at build time."""
 
-    def init_moe(self, cfg):
-        check_moe_loss_config(cfg)
-        self.moe_cfg = cfg
+    @classmethod
+    def build_criterion(cls, cfg, task):
+        criterion = super().build_criterion(cfg, task)
+        moe_cfg = MoELossConfig(**{f.name: getattr(cfg, f.name, f.default) for f in fields(MoELossConfig)})
+        check_moe_loss_config(moe_cfg)
+        criterion.moe_cfg = moe_cfg
+        return criterion
 
     def forward(self, model, sample, reduce=True):
         # (adaptive softmax, which these criterions cannot train, is refused before: refusals.py)
@@ -41,14 +46,7 @@ class MoECrossEntropyConfig(CrossEntropyCriterionConfig, MoELossConfig):
 
 @register_criterion("moe_cross_entropy", dataclass=MoECrossEntropyConfig)
 class MoECrossEntropyCriterion(MoECriterionMixin, CrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, moe_gate_loss_wt, moe_gate_loss_combine_method,
-                 moe_gate_loss_transform, moe_z_loss_wt):
-        super().__init__(task, sentence_avg)
-        self.init_moe(MoELossConfig(moe_gate_loss_wt, moe_gate_loss_combine_method,
-                                    moe_gate_loss_transform, moe_z_loss_wt))
-
-
-L = MoELossConfig  # its defaults are the loss flags' defaults, also as keyword arguments below
+    pass
 
 
 @dataclass
@@ -58,9 +56,4 @@ class MoELabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfi
 
 @register_criterion("moe_label_smoothed_cross_entropy", dataclass=MoELabelSmoothedCrossEntropyConfig)
 class MoELabelSmoothedCrossEntropyCriterion(MoECriterionMixin, LabelSmoothedCrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moe_gate_loss_wt=L.moe_gate_loss_wt, moe_gate_loss_combine_method=L.moe_gate_loss_combine_method,
-                 moe_gate_loss_transform=L.moe_gate_loss_transform, moe_z_loss_wt=L.moe_z_loss_wt):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.init_moe(MoELossConfig(moe_gate_loss_wt, moe_gate_loss_combine_method,
-                                    moe_gate_loss_transform, moe_z_loss_wt))
+    pass

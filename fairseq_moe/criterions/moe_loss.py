@@ -25,6 +25,9 @@ class MoELossConfig:
         default="none", metadata={"help": "transform of the combined balance loss before weighting"}
     )
     moe_z_loss_wt: float = field(default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE: 0.001)"})
+    moe_log_per_layer: bool = field(default=False, metadata={
+        "help": "also log each MoE layer's balance loss, dropped fraction, imbalance and entropy "
+                "(moe_encoder1_balance, moe_decoder3_dropped, ...)"})
 
 
 def check_moe_loss_config(cfg):
@@ -53,6 +56,15 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     logging_output["moe_dropped"] = sum(a.dropped_fraction for a in auxes) / n * sample_size
     logging_output["moe_imbalance"] = sum(a.imbalance for a in auxes) / n * sample_size
     logging_output["moe_entropy"] = sum(a.entropy.item() for a in auxes) / n * sample_size
+    if cfg.moe_log_per_layer:
+        for name, block in moe_blocks(model):
+            a = block.last_aux
+            if a is not None:
+                side, _, index = name.split(".")[:3]  # encoder.layers.1.fc1 -> moe_encoder1_
+                prefix = f"moe_{side}{index}_"
+                for key, value in (("balance", a.balance_loss.item()), ("dropped", a.dropped_fraction),
+                                   ("imbalance", a.imbalance), ("entropy", a.entropy.item())):
+                    logging_output[prefix + key] = value * sample_size
     return loss
 
 
@@ -60,7 +72,8 @@ def reduce_moe_metrics(logging_outputs):
     sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
     if not sample_size:
         return
-    for key in METRICS:
+    keys = sorted({key for log in logging_outputs for key in log if key.startswith("moe_")})
+    for key in sorted(set(METRICS) & set(keys)) + [k for k in keys if k not in METRICS]:  # (per layer last)
         if any(key in log for log in logging_outputs):
             total = sum(log.get(key, 0) for log in logging_outputs)
             metrics.log_scalar(key, total / sample_size, sample_size, round=4)

@@ -1,7 +1,8 @@
 """What the MoE tasks add to fairseq's: a check that the model has MoE layers, and the expert load file.
 
-With --moe-stats-file, the expert load of every MoE layer is written every --moe-stats-interval
-updates as one JSON line: {"update": U, "layers": {name: [fraction per expert]}, "tokens": {name: n}}.
+With --moe-stats-file, every --moe-stats-interval updates, one JSON line with each MoE layer's expert
+load over the interval, from the counts of all ranks: {"update": U, "layers": {name: [fraction of the
+assignments per expert]}, "tokens": {name: n}, "dropped": {name: fraction}, "entropy": {name: nats}}.
 Validation and generation use the eval capacity (--moe-eval-capacity-token-fraction) with no help from
 the task: MoE layers pick their capacity from model.training, which fairseq sets for them.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
 
@@ -29,7 +31,9 @@ class ExpertStatsConfig(FairseqDataclass):
 
 
 class ExpertLoadLog:
-    """Sums each MoE layer's per-expert demand over an interval of updates, then writes a line."""
+    """Sums each MoE layer's per-expert demand, tokens, dropped and entropy (token-weighted) over an
+    interval of updates on every rank; at the end of the interval the sums of all ranks are added up
+    (a collective: every rank calls maybe_write at every update) and rank 0 writes the line."""
 
     def __init__(self, path, interval):
         if interval < 1:
@@ -44,22 +48,36 @@ class ExpertLoadLog:
             raise FlagError(f"--moe-stats-file {path}: "
                             + ("the file is not writable" if os.path.exists(path) else f"{folder} is not writable"))
         self.path, self.interval = path, interval
-        self.sums, self.tokens = {}, {}
+        self.sums = {}  # layer -> [demand per expert..., tokens, dropped * tokens, entropy * tokens]
 
     def add(self, model):
         for name, block in moe_blocks(model):
-            if block.last_aux is not None:
-                demand = block.last_aux.demand.detach().to("cpu", torch.float64)
-                self.sums[name] = self.sums.get(name, 0) + demand
-                self.tokens[name] = self.tokens.get(name, 0) + block.last_aux.num_tokens
+            a = block.last_aux
+            if a is not None:
+                n = a.num_tokens
+                row = torch.cat([a.demand.detach().to("cpu", torch.float64), torch.tensor(
+                    [n, a.dropped_fraction * n, float(a.entropy) * n], dtype=torch.float64)])
+                self.sums[name] = self.sums.get(name, 0) + row
 
-    def maybe_write(self, update_num):
-        if update_num % self.interval or not self.sums:
+    def maybe_write(self, update_num, model):
+        if update_num % self.interval:
             return
-        layers = {name: (s / s.sum().clamp(min=1)).tolist() for name, s in self.sums.items()}
+        # The same layout on every rank (a layer without a forward here counts zeros).
+        layout = [(name, block.moe.cfg.num_experts + 3) for name, block in moe_blocks(model)]
+        flat = torch.cat([self.sums.get(name, torch.zeros(size, dtype=torch.float64)) for name, size in layout])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat)
+        self.sums = {}
+        if dist_utils.get_global_rank() != 0 or not flat.any():
+            return
+        line = {"update": update_num, "layers": {}, "tokens": {}, "dropped": {}, "entropy": {}}
+        for (name, _), row in zip(layout, torch.split(flat, [size for _, size in layout])):
+            demand, (tokens, dropped, entropy) = row[:-3], row[-3:].tolist()
+            line["layers"][name] = (demand / demand.sum().clamp(min=1)).tolist()
+            line["tokens"][name] = int(tokens)
+            line["dropped"][name], line["entropy"][name] = dropped / max(tokens, 1), entropy / max(tokens, 1)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"update": update_num, "layers": layers, "tokens": self.tokens}) + "\n")
-        self.sums, self.tokens = {}, {}
+            f.write(json.dumps(line) + "\n")
 
 
 class MoETaskMixin:
@@ -68,11 +86,9 @@ class MoETaskMixin:
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
         self.load_log = None
-        # Rank 0 writes the file (its own counts; data-parallel ranks see similar loads).
-        # Every rank checks the flags, so that all stop together on a bad one.
+        # Every rank counts and checks the flags (so that all stop together on a bad one); rank 0 writes.
         if cfg.moe_stats_file:
-            log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
-            self.load_log = log if dist_utils.get_global_rank() == 0 else None
+            self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -99,4 +115,4 @@ class MoETaskMixin:
         super().optimizer_step(optimizer, model, update_num)
         if self.load_log is not None:
             # Once per update; update_num counts finished updates, so this one is update_num + 1.
-            self.load_log.maybe_write(update_num + 1)
+            self.load_log.maybe_write(update_num + 1, model)

@@ -53,6 +53,23 @@ def test_loss_is_task_loss_plus_weighted_router_losses(data_bin, tmp_path, crite
         assert key in log
 
 
+def test_per_layer_metrics(data_bin, tmp_path):
+    """--moe-log-per-layer logs each layer's balance, dropped, imbalance and entropy; their mean over the
+    layers is the logged aggregate."""
+    _, sample_size, log, auxes = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy",
+                                        "--moe-log-per-layer", "--moe-capacity-factor", "0.5",
+                                        "--moe-eval-capacity-token-fraction", "-1")  # (losses() runs eval)
+    layers = ("moe_encoder1", "moe_decoder1")
+    for key, aggregate in (("balance", "moe_balance_loss"), ("dropped", "moe_dropped"),
+                           ("imbalance", "moe_imbalance"), ("entropy", "moe_entropy")):
+        values = [log[f"{layer}_{key}"] for layer in layers]
+        assert sum(values) / 2 == pytest.approx(log[aggregate], rel=1e-6)
+    assert log["moe_encoder1_dropped"] == pytest.approx(auxes[0].dropped_fraction * sample_size)
+    assert log["moe_decoder1_dropped"] > 0
+    _, _, plain, _ = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy")
+    assert not [key for key in plain if key.startswith(layers)]
+
+
 def test_pad_mask_keeps_padding_out_of_routing(data_bin, tmp_path):
     for flag, expect_all in (((), True), (("--use-moe-pad-mask",), False)):
         task, model, criterion, args = build(train_argv(data_bin, tmp_path, *flag))

@@ -5,6 +5,7 @@ updates the loss and the parameters agree within float rounding. The W-rank run 
 (NAME-shared.pt + NAME-rank-R.pt) that holds every expert and its optimizer state; it loads on one
 process for fairseq-generate and resumes training on one process exactly where the W ranks stopped.
 """
+import json
 import os
 import subprocess
 import sys
@@ -48,11 +49,18 @@ class Launched:
         return self.save_dir, self.out
 
 
+def stats(path):
+    return ("--moe-stats-file", str(path), "--moe-stats-interval", "2")
+
+
 @pytest.fixture(scope="module")
 def launched(data_bin, tmp_path_factory):
-    """The 2-rank run of COMMON under fairseq_moe.launch (the torchrun test compares with it too)."""
+    """The 2-rank run of COMMON under fairseq_moe.launch (the torchrun test compares with it too), with
+    its statistics file beside the save folder."""
     many = tmp_path_factory.mktemp("many")
-    return Launched(2, many, train_argv(data_bin, many, *COMMON))
+    run = Launched(2, many, train_argv(data_bin, many, *COMMON, *stats(many.parent / "many-stats.jsonl")))
+    run.stats = many.parent / "many-stats.jsonl"
+    return run
 
 
 @pytest.mark.slow
@@ -68,7 +76,9 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     run = (request.getfixturevalue("launched") if (world_size, extra) == (2, ())
            else Launched(world_size, many, train_argv(data_bin, many, *COMMON, *extra)))
     one = tmp_path / "one"
-    run_train(train_argv(data_bin, one, *COMMON, *extra, "--update-freq", str(world_size)))  # (the a2a flags: no-ops here)
+    reference_stats = tmp_path / "one-stats.jsonl"
+    run_train(train_argv(data_bin, one, *COMMON, *extra, "--update-freq", str(world_size),  # (a2a flags: no-ops)
+                         *(stats(reference_stats) if (world_size, extra) == (2, ()) else ())))
     many, out = run.result()
     if "--moe-a2a-local-size" in extra:
         assert "hierarchical 2x2 all-to-all" in out.stderr + out.stdout
@@ -84,6 +94,15 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     assert b["model"]["encoder.layers.1.fc1.moe.experts.w1"].shape[0] == 4  # all experts, not rank 0's
     if world_size > 2 or extra:
         return
+    # The statistics file counts the tokens of every rank: the same lines as the 1-process run's.
+    a_lines, b_lines = ([json.loads(line) for line in path.read_text().splitlines()] for path in
+                        (reference_stats, run.stats))
+    assert [line["update"] for line in b_lines] == [2, 4] and len(a_lines) == len(b_lines)
+    for x, y in zip(a_lines, b_lines):
+        assert x["tokens"] == y["tokens"] and x.keys() == y.keys()
+        for key in ("layers", "dropped", "entropy"):
+            for name in x[key]:
+                assert x[key][name] == pytest.approx(y[key][name], rel=1e-5, abs=1e-9), (key, name)
 
     # fairseq-generate on one process reads the set through its shared file.
     scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", base + "-shared.pt",

@@ -15,7 +15,7 @@ def train_losses(caplog, data_bin, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("extra", [
-    ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.5", "--moe-eval-top-k", "1"),
+    ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.5", "--moe-eval-top-k", "1", "--moe-log-per-layer"),
     ("--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2"),
     ("--moe-routing", "dense", "--moe-gate-noise", "jitter"),
     ("--moe-second-expert-policy", "sampling", "--moe-normalize-gate-prob-before-dropping",
@@ -26,3 +26,5 @@ def test_routing_trains(caplog, data_bin, tmp_path, extra):
     losses = train_losses(caplog, data_bin, tmp_path, *extra)
     assert len(losses) == 12, caplog.text[-2000:]
     assert sum(losses[-3:]) < sum(losses[:3])
+    if "--moe-log-per-layer" in extra:  # through fairseq's aggregation, beside the means
+        assert "moe_encoder1_balance=" in caplog.text and "moe_decoder1_entropy=" in caplog.text

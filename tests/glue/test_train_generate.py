@@ -1,5 +1,6 @@
 """fairseq-train, resume, fairseq-generate on a toy corpus; checkpoints load with weights_only=True."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -61,9 +62,12 @@ def test_expert_load_file(trained):
     lines = [json.loads(line) for line in stats.read_text().splitlines()]
     assert [line["update"] for line in lines] == [3, 6]
     for line in lines:
-        assert set(line["layers"]) == {"encoder.layers.1.fc1", "decoder.layers.1.fc1"}
-        for fractions in line["layers"].values():
+        assert set(line["layers"]) == set(line["dropped"]) == set(line["entropy"]) == set(line["tokens"]) == {
+            "encoder.layers.1.fc1", "decoder.layers.1.fc1"}
+        for name, fractions in line["layers"].items():
             assert len(fractions) == 4 and abs(sum(fractions) - 1) < 1e-9
+            assert 0 <= line["dropped"][name] < 1 and 0 < line["entropy"][name] <= math.log(4) + 1e-9
+            assert line["tokens"][name] > 0
 
 
 @pytest.mark.slow
