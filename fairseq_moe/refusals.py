@@ -36,12 +36,32 @@ class Refusal:
     refused: Callable[[Context], bool]
     message: str
     why: str
-    example: dict = field(default_factory=dict)  # Context fields that trigger it (flags: a dict), for the test
+    example: dict = field(default_factory=dict)  # Context fields that trigger it (flags: a dict; a callable
+    # field: called to make the value), for the test
 
 
 def _adaptive_softmax(ctx):
     decoder = getattr(ctx.model, "decoder", None)
     return getattr(decoder, "adaptive_softmax", None) is not None and hasattr(ctx.criterion, "moe_cfg")
+
+
+def _model_routed_by(routing):
+    """An example model: one MoE block with this routing (for the test of the table)."""
+    from torch import nn
+
+    from .models.moe_ffn import MoEFeedForward
+    from .moe import MoEConfig
+
+    return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing)))
+
+
+def _neg_log_without_balance_loss(ctx):
+    from .models.moe_ffn import moe_blocks  # (the table is imported before fairseq's models)
+
+    transform = getattr(getattr(ctx.criterion, "moe_cfg", None), "moe_gate_loss_transform", None)
+    model = ctx.model if hasattr(ctx.model, "named_modules") else None
+    routings = {block.moe.cfg.routing for _, block in moe_blocks(model)} if model is not None else set()
+    return transform == "neg_log" and bool(routings & {"expert_choice", "dense"})
 
 
 REFUSALS = (
@@ -123,6 +143,13 @@ REFUSALS = (
             "score BLEU with fairseq-generate",
             "the ranks would wait for each other forever",
             {"spread": True, "task": argparse.Namespace(eval_bleu=True)}),
+    Refusal("the neg_log balance-loss transform with routing that has no balance loss",
+            ("--moe-gate-loss-transform", "--moe-routing"), "trainer", _neg_log_without_balance_loss,
+            "--moe-gate-loss-transform neg_log cannot be used with --moe-routing expert_choice or dense: they "
+            "balance the load by construction and have no balance loss (its log would be -inf)",
+            "the balance loss of those policies is zero",
+            {"model": lambda: _model_routed_by("expert_choice"),
+             "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),
     Refusal("adaptive softmax with the MoE criterions", ("--adaptive-softmax-cutoff", "--criterion"), "trainer",
             _adaptive_softmax,
             "--adaptive-softmax-cutoff cannot be trained with the MoE criterions (they need plain output "

@@ -9,7 +9,7 @@ from fairseq_moe.errors import FlagError
 
 
 def context(example):
-    ex = dict(example)
+    ex = {key: value() if callable(value) else value for key, value in example.items()}
     return refusals.Context(flags=argparse.Namespace(**ex.pop("flags", {})), **ex)
 
 
