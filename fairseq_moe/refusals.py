@@ -55,6 +55,16 @@ def _model_routed_by(routing):
     return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing)))
 
 
+def _shazeer_without_noisy_top_k(ctx):
+    from .models.moe_ffn import moe_blocks
+
+    loss_type = getattr(getattr(ctx.criterion, "moe_cfg", None), "moe_gate_loss_type", None)
+    model = ctx.model if hasattr(ctx.model, "named_modules") else None
+    cfgs = [block.moe.cfg for _, block in moe_blocks(model)] if model is not None else []
+    return loss_type == "importance_load" and any(
+        c.routing != "topk" or c.gate_noise != "gaussian" or not c.gate_noise_scale for c in cfgs)
+
+
 def _neg_log_without_balance_loss(ctx):
     from .models.moe_ffn import moe_blocks  # (the table is imported before fairseq's models)
 
@@ -150,6 +160,13 @@ REFUSALS = (
             "the balance loss of those policies is zero",
             {"model": lambda: _model_routed_by("expert_choice"),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),
+    Refusal("Shazeer's importance and load losses without noisy top-k gating",
+            ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer", _shazeer_without_noisy_top_k,
+            "--moe-gate-loss-type importance_load needs --moe-routing topk and --moe-gate-noise gaussian with a "
+            "--moe-gate-noise-scale > 0: its load term estimates, from that noise, how likely each expert is chosen",
+            "Shazeer et al.'s load estimator is defined by the noise of noisy top-k gating",
+            {"model": lambda: _model_routed_by("topk"),
+             "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_type="importance_load"))}),
     Refusal("adaptive softmax with the MoE criterions", ("--adaptive-softmax-cutoff", "--criterion"), "trainer",
             _adaptive_softmax,
             "--adaptive-softmax-cutoff cannot be trained with the MoE criterions (they need plain output "

@@ -12,7 +12,8 @@ from fairseq.dataclass import ChoiceEnum
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 
-METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "moe_entropy")
+METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "moe_entropy", "moe_importance_loss",
+           "moe_load_loss")
 
 
 @dataclass
@@ -25,6 +26,9 @@ class MoELossConfig:
         default="none", metadata={"help": "transform of the combined balance loss before weighting"}
     )
     moe_z_loss_wt: float = field(default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE: 0.001)"})
+    moe_gate_loss_type: ChoiceEnum(["balance", "importance_load"]) = field(default="balance", metadata={
+        "help": "what --moe-gate-loss-wt weights: the GShard/Switch balance loss, or Shazeer et al.'s "
+                "CV(importance)^2 + CV(load)^2 (top-k routing with --moe-gate-noise gaussian)"})
     moe_log_per_layer: bool = field(default=False, metadata={
         "help": "also log each MoE layer's balance loss, dropped fraction, imbalance and entropy "
                 "(moe_encoder1_balance, moe_decoder3_dropped, ...)"})
@@ -44,7 +48,9 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
         return loss
     balance = torch.stack([a.balance_loss for a in auxes])
     z = torch.stack([a.z_loss for a in auxes]).mean()
-    gate_loss = balance.mean() if cfg.moe_gate_loss_combine_method == "average" else balance.sum()
+    shazeer = cfg.moe_gate_loss_type == "importance_load"
+    per_layer = torch.stack([a.importance_loss + a.load_loss for a in auxes]) if shazeer else balance
+    gate_loss = per_layer.mean() if cfg.moe_gate_loss_combine_method == "average" else per_layer.sum()
     if cfg.moe_gate_loss_transform == "neg_log":
         gate_loss = -torch.log(gate_loss)
     # The task loss is a sum over sample_size items (fairseq divides by it later): scale alike.
@@ -56,6 +62,9 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     logging_output["moe_dropped"] = sum(a.dropped_fraction for a in auxes) / n * sample_size
     logging_output["moe_imbalance"] = sum(a.imbalance for a in auxes) / n * sample_size
     logging_output["moe_entropy"] = sum(a.entropy.item() for a in auxes) / n * sample_size
+    if shazeer:
+        logging_output["moe_importance_loss"] = sum(a.importance_loss.item() for a in auxes) / n * sample_size
+        logging_output["moe_load_loss"] = sum(a.load_loss.item() for a in auxes) / n * sample_size
     if cfg.moe_log_per_layer:
         for name, block in moe_blocks(model):
             a = block.last_aux

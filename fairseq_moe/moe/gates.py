@@ -61,12 +61,14 @@ class CosineGate(nn.Module):
 
 
 def noisy_logits(gate, x, noise="none", scale=0.0, training=False):
-    """gate(x) with the training-only noise of --moe-gate-noise: jitter multiplies x by U(1 - scale,
-    1 + scale) element-wise (Switch, DeepSpeed); gaussian adds N(0, scale^2) to the logits (Tutel's
-    gate noise). The draws come from torch's global generator; at eval the logits are gate(x)."""
+    """(logits, clean): gate(x) with the training-only noise of --moe-gate-noise, and the logits without
+    it where they are known (None under jitter). jitter multiplies x by U(1 - scale, 1 + scale)
+    element-wise (Switch, DeepSpeed); gaussian adds N(0, scale^2) to the logits (Tutel's gate noise,
+    Shazeer's noisy top-k with a fixed std). The draws come from torch's global generator; at eval the
+    logits are gate(x)."""
     if training and noise == "jitter" and scale:
-        x = x * torch.empty_like(x).uniform_(1.0 - scale, 1.0 + scale)
-    logits = gate(x)
+        return gate(x * torch.empty_like(x).uniform_(1.0 - scale, 1.0 + scale)), None
+    clean = gate(x)
     if training and noise == "gaussian" and scale:
-        logits = logits + torch.randn_like(logits) * scale
-    return logits
+        return clean + torch.randn_like(clean) * scale, clean
+    return clean, clean

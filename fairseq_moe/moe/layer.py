@@ -24,7 +24,7 @@ from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_co
 from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES, noisy_logits
-from .losses import balance_loss, gate_entropy, router_z_loss
+from .losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
 from .pipeline import pipelined_experts
 from .routing import ROUTINGS
 
@@ -42,6 +42,8 @@ class MoEAux:
     entropy: torch.Tensor  # scalar, mean router entropy (nats)
     dropped_fraction: float = 0.0  # top-k: of the T*k assignments, over capacity; expert choice: of
     # the tokens, taken by no expert (Routing.dropped)
+    importance_loss: Optional[torch.Tensor] = None  # scalar, Shazeer's CV(importance)^2 (top-k routing)
+    load_loss: Optional[torch.Tensor] = None  # scalar, Shazeer's CV(load)^2 (top-k with Gaussian gate noise)
 
     @property
     def imbalance(self):
@@ -90,7 +92,7 @@ class MoELayer(nn.Module):
         T = x.shape[0]
         ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
 
-        logits = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
+        logits, clean = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training)
         if self.ep is None:
@@ -101,7 +103,7 @@ class MoELayer(nn.Module):
 
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
-        aux = self._aux(logits, r, T, k)
+        aux = self._aux(logits, clean, r, T, k, cfg)
         return y.view(shape), aux
 
     def _remote(self, rows, counts, ops):
@@ -117,10 +119,11 @@ class MoELayer(nn.Module):
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
         return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 
-    def _aux(self, logits, r, T, k):
+    def _aux(self, logits, clean, r, T, k, cfg):
         zero = self.gate.weight.sum() * 0.0  # a zero loss that still belongs to the graph
         if T == 0:  # nothing routed
-            return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach())
+            return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach(), importance_loss=zero, load_loss=zero)
+        shazeer = r.top_experts is not None  # (top-k routing) Shazeer's losses; the load one needs Gaussian noise
         return MoEAux(
             balance_loss=zero if r.top_experts is None else balance_loss(r.probs, r.top_experts),
             z_loss=router_z_loss(logits),
@@ -130,4 +133,8 @@ class MoELayer(nn.Module):
             top_k=k,
             entropy=gate_entropy(r.probs.detach()),
             dropped_fraction=r.dropped,
+            importance_loss=importance_loss(r.probs, r.top_experts) if shazeer else zero,
+            load_loss=(load_loss(clean, logits.float(), k, cfg.gate_noise_scale)
+                       if shazeer and clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale
+                       else zero),
         )

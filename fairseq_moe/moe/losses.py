@@ -23,3 +23,32 @@ def router_z_loss(logits):
 def gate_entropy(probs):
     """Mean entropy (nats) of the router distribution; log(E) is a uniform router."""
     return -(probs * torch.log(probs.clamp(min=1e-20))).sum(-1).mean()
+
+
+def _cv_squared(v):
+    """Squared coefficient of variation (unbiased variance / mean^2), 0 for fewer than 2 values."""
+    return v.var() / (v.mean() ** 2 + 1e-10) if v.numel() > 1 else v.sum() * 0.0
+
+
+def importance_loss(probs, top_experts):
+    """Shazeer et al. 2017: CV(Importance)^2, Importance_e = sum over tokens of the gate of e, the gates
+    being the softmax over each token's k chosen experts (zero elsewhere). With k = 1 every gate is 1: no
+    gradient reaches the router through it. probs: [T, E] fp32; top_experts: [T, k]."""
+    top_p = probs.gather(1, top_experts)
+    gates = torch.zeros_like(probs).scatter(1, top_experts, top_p / top_p.sum(-1, keepdim=True))
+    return _cv_squared(gates.sum(0))
+
+
+def load_loss(clean, noisy, k, sigma):
+    """Shazeer et al. 2017: CV(Load)^2 with the smooth load estimator of noisy top-k gating, Load_e =
+    sum over tokens of P(e is among the k best under a new draw of the noise) =
+    Phi((clean_e - kth_excluding(noisy, k, e)) / sigma): the k-th best noisy logit of the other experts.
+    The noise here has a fixed std sigma (Gaussian gate noise), not Shazeer's learned one.
+    clean, noisy: [T, E] fp32 logits without and with the noise."""
+    E = clean.shape[1]
+    if k >= E:  # every expert is always chosen: a perfectly even load
+        return clean.sum() * 0.0
+    top = noisy.topk(k + 1, dim=-1).values  # [T, k + 1]
+    threshold = torch.where(noisy >= top[:, k - 1:k], top[:, k:k + 1], top[:, k - 1:k])
+    load = torch.distributions.Normal(0.0, 1.0).cdf((clean - threshold) / sigma).sum(0)
+    return _cv_squared(load)

@@ -53,6 +53,20 @@ def test_loss_is_task_loss_plus_weighted_router_losses(data_bin, tmp_path, crite
         assert key in log
 
 
+def test_importance_and_load_losses(data_bin, tmp_path):
+    """--moe-gate-loss-type importance_load: --moe-gate-loss-wt weights Shazeer's CV(importance)^2 +
+    CV(load)^2 (averaged over the layers) instead of the balance loss."""
+    noisy = ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.3")
+    base, sample_size, _, _ = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", *noisy,
+                                     "--moe-gate-loss-wt", "0")
+    loss, _, log, auxes = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", *noisy,
+                                 "--moe-gate-loss-type", "importance_load", "--moe-gate-loss-wt", "0.5")
+    shazeer = sum(a.importance_loss.item() + a.load_loss.item() for a in auxes) / 2
+    assert all(a.load_loss.item() > 0 for a in auxes)
+    assert loss.item() == pytest.approx(base.item() + sample_size * 0.5 * shazeer, rel=1e-5)
+    assert log["moe_load_loss"] == pytest.approx(sum(a.load_loss.item() for a in auxes) / 2 * sample_size)
+
+
 def test_per_layer_metrics(data_bin, tmp_path):
     """--moe-log-per-layer logs each layer's balance, dropped, imbalance and entropy; their mean over the
     layers is the logged aggregate."""

@@ -21,7 +21,9 @@ def train_losses(caplog, data_bin, tmp_path, *extra):
     ("--moe-second-expert-policy", "sampling", "--moe-normalize-gate-prob-before-dropping",
      "--moe-batch-prioritized-routing", "--moe-capacity-factor", "0.5"),
     ("--moe-second-expert-policy", "random", "--moe-random-token-selection", "--moe-capacity-factor", "0.5"),
-], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts"])
+    ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "1.0", "--moe-gate-loss-type", "importance_load",
+     "--moe-gate-loss-wt", "0.1"),
+], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts", "importance-load"])
 def test_routing_trains(caplog, data_bin, tmp_path, extra):
     losses = train_losses(caplog, data_bin, tmp_path, *extra)
     assert len(losses) == 12, caplog.text[-2000:]

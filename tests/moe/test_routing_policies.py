@@ -121,12 +121,12 @@ def test_gate_noise_is_training_only_and_seeded(noise):
     assert torch.equal(layer(x)[0], clean(x)[0])  # eval: noise-free
     layer.train(), clean.train()
     torch.manual_seed(1)
-    a = noisy_logits(layer.gate, x, noise, 0.3, True)
+    a, clean = noisy_logits(layer.gate, x, noise, 0.3, True)
     torch.manual_seed(1)
-    b = noisy_logits(layer.gate, x, noise, 0.3, True)
+    b, _ = noisy_logits(layer.gate, x, noise, 0.3, True)
     assert torch.equal(a, b) and not torch.equal(a, layer.gate(x))  # seeded, and noisy
     if noise == "gaussian":
-        assert 0.2 < float((a - layer.gate(x)).std()) < 0.4
+        assert 0.2 < float((a - layer.gate(x)).std()) < 0.4 and torch.equal(clean, layer.gate(x))
     else:  # the gate sees x scaled element-wise by a factor in [0.7, 1.3]
         torch.manual_seed(1)
         factor = torch.empty_like(x).uniform_(0.7, 1.3)
