@@ -218,8 +218,11 @@ def run_state(trainer):
 def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
     spread = expert_params(model, spread_only=True)
+    from .tasks.expert_stats import MoETaskMixin
+
     refusals.check("trainer", refusals.Context(flags=refusals.training_flags(cfg), spread=bool(spread), model=model,
-                                               criterion=criterion, task=cfg.get("task")))
+                                               criterion=criterion, task=cfg.get("task"),
+                                               moe_task=isinstance(task, MoETaskMixin)))
     patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
 

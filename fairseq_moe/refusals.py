@@ -23,6 +23,7 @@ class Context:
     model: object = None
     criterion: object = None
     task: object = None
+    moe_task: bool = True  # the task is one of ours (its optimizer_step moves the routing biases)
 
     def flag(self, name, default=None):
         return getattr(self.flags, name, default)
@@ -45,14 +46,23 @@ def _adaptive_softmax(ctx):
     return getattr(decoder, "adaptive_softmax", None) is not None and hasattr(ctx.criterion, "moe_cfg")
 
 
-def _model_routed_by(routing):
+def _biases_never_moved(ctx):
+    from .models.moe_ffn import moe_blocks
+
+    model = ctx.model if hasattr(ctx.model, "named_modules") else None
+    biased = model is not None and any(b.moe.cfg.bias_update_rate for _, b in moe_blocks(model))
+    return biased and not ctx.moe_task
+
+
+def _model_routed_by(routing, **settings):
     """An example model: one MoE block with this routing (for the test of the table)."""
     from torch import nn
 
     from .models.moe_ffn import MoEFeedForward
     from .moe import MoEConfig
 
-    return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing)))
+    return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing,
+                                                  **settings)))
 
 
 def _shazeer_without_noisy_top_k(ctx):
@@ -160,6 +170,13 @@ REFUSALS = (
             "the balance loss of those policies is zero",
             {"model": lambda: _model_routed_by("expert_choice"),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),
+    Refusal("the aux-loss-free balancing bias with a task that is not an MoE task", ("--moe-bias-update-rate",
+                                                                                   "--task"), "trainer",
+            _biases_never_moved,
+            "--moe-bias-update-rate needs --task moe_translation or moe_language_modeling: their optimizer step "
+            "moves the routing biases; with another task they would never move",
+            "the bias update runs after every optimizer step, from the MoE task",
+            {"model": lambda: _model_routed_by("topk", bias_update_rate=0.01), "moe_task": False}),
     Refusal("Shazeer's importance and load losses without noisy top-k gating",
             ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer", _shazeer_without_noisy_top_k,
             "--moe-gate-loss-type importance_load needs --moe-routing topk and --moe-gate-noise gaussian with a "

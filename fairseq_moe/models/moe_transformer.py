@@ -40,7 +40,9 @@ LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capaci
                "moe_normalize_gate_prob_before_dropping": "normalize_gate_prob_before_dropping",
                "moe_batch_prioritized_routing": "batch_prioritized_routing",
                "moe_random_token_selection": "random_token_selection",
-               "moe_normalize_expert_grad": "expert_grad_normalization"}
+               "moe_normalize_expert_grad": "expert_grad_normalization", "moe_score": "score",
+               "moe_bias_update_rate": "bias_update_rate", "moe_expert_groups": "expert_groups",
+               "moe_topk_groups": "topk_groups"}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -97,6 +99,15 @@ def add_moe_args(parser, encoder=True):
         help="at capacity, tokens with the highest router probability first (default: by position)")
     add("--moe-random-token-selection", action="store_true",
         help="at capacity, tokens in a random order in training (DeepSpeed's RTS)")
+    add("--moe-score", choices=("softmax", "sigmoid"),
+        help=f"topk: the router's scores, softmax over the experts or sigmoid per expert (default {D.score})")
+    add("--moe-bias-update-rate", type=float, metavar="G",
+        help="topk: > 0 adds DeepSeek-V3's aux-loss-free balancing bias to the scores for choosing, moved by G "
+             "toward balance after every update from the load of all ranks (checkpointed) (default 0: none)")
+    add("--moe-expert-groups", type=int, metavar="G", help="topk: the experts in G groups of consecutive experts "
+                                                           f"(default {D.expert_groups})")
+    add("--moe-topk-groups", type=int, metavar="M",
+        help="topk: each token's experts come from its M groups whose two best scores sum highest (default: all)")
     add("--moe-normalize-expert-grad", choices=EXPERT_GRAD_NORMALIZATIONS,
         help="with the experts spread over W ranks, divide their gradients by W (as data parallelism: W ranks "
              f"== 1 process) or by sqrt(W x replicas) (default {D.expert_grad_normalization})")

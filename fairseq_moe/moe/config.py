@@ -21,7 +21,9 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "normalize_gate_prob_before_dropping": "--moe-normalize-gate-prob-before-dropping",
          "batch_prioritized_routing": "--moe-batch-prioritized-routing",
          "random_token_selection": "--moe-random-token-selection",
-         "expert_grad_normalization": "--moe-normalize-expert-grad"}
+         "expert_grad_normalization": "--moe-normalize-expert-grad", "score": "--moe-score",
+         "bias_update_rate": "--moe-bias-update-rate", "expert_groups": "--moe-expert-groups",
+         "topk_groups": "--moe-topk-groups"}
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
@@ -69,6 +71,15 @@ class MoEConfig:
     # With the experts spread over W ranks, an expert's gradient is divided by W (data parallelism's
     # average: W ranks == 1 process) or, as the moe branch's option, by sqrt(W * replicas).
     expert_grad_normalization: str = "world_size"
+    # Top-k routing's scores: softmax over the experts, or sigmoid per expert (DeepSeek-V3).
+    score: str = "softmax"
+    # > 0: the aux-loss-free balancing bias (DeepSeek-V3): a per-expert bias added to the scores for
+    # choosing only, moved by this much toward balance after every optimizer step (update_routing_bias).
+    bias_update_rate: float = 0.0
+    # Group-limited top-k: the experts in expert_groups groups; each token's k experts come from its
+    # topk_groups best groups (None: all groups).
+    expert_groups: int = 1
+    topk_groups: Optional[int] = None
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
@@ -122,6 +133,26 @@ class MoEConfig:
         if self.batch_prioritized_routing and self.random_token_selection:
             bad("random_token_selection", "and --moe-batch-prioritized-routing are two different priorities: "
                                           "choose one")
+        if self.score not in ("softmax", "sigmoid"):
+            bad("score", "must be softmax or sigmoid")
+        if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
+            bad("bias_update_rate", "must be >= 0 (0: no balancing bias)")
+        if not isinstance(self.expert_groups, int) or self.expert_groups < 1 or self.num_experts % self.expert_groups:
+            bad("expert_groups", f"must be an integer >= 1 that divides --moe-expert-count {self.num_experts}")
+        if self.topk_groups is not None and not (isinstance(self.topk_groups, int) and 1 <= self.topk_groups
+                                                 <= self.expert_groups):
+            bad("topk_groups", f"must be an integer in [1, --moe-expert-groups {self.expert_groups}]")
+        if self.topk_groups is not None and self.top_k > self.topk_groups * (self.num_experts // self.expert_groups):
+            bad("topk_groups", f"leaves fewer than --moe-top-k {self.top_k} experts to choose from "
+                               f"({self.topk_groups} groups of {self.num_experts // self.expert_groups})")
+        for name, off in (("score", "softmax"), ("bias_update_rate", 0.0), ("topk_groups", None)):
+            if getattr(self, name) != off and self.routing != "topk":
+                bad(name, f"applies to --moe-routing topk (here {self.routing})")
+        if self.second_expert_policy == "sampling" and (self.score != "softmax" or self.bias_update_rate
+                                                        or self.topk_groups is not None):
+            bad("second_expert_policy", "sampling draws from the softmax over all the other experts: it cannot "
+                                        "be combined with --moe-score sigmoid, --moe-bias-update-rate or "
+                                        "--moe-topk-groups")
         if self.expert_grad_normalization not in EXPERT_GRAD_NORMALIZATIONS:
             bad("expert_grad_normalization", f"must be one of {list(EXPERT_GRAD_NORMALIZATIONS)}")
         if self.eval_top_k is not None and not (isinstance(self.eval_top_k, int) and 1 <= self.eval_top_k

@@ -65,6 +65,10 @@ class MoELayer(nn.Module):
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
             cfg.num_experts,
         )
+        self._load = None  # [E] assignments chosen since the last bias update (training forwards)
+        if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
+            self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
+            self.register_load_state_dict_pre_hook(_fresh_bias_if_missing)
         if ep is not None:
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
@@ -94,7 +98,11 @@ class MoELayer(nn.Module):
 
         logits, clean = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
-        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training)
+        bias = getattr(self, "routing_bias", None)
+        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training,
+                                  **({} if bias is None else {"bias": bias}))
+        if bias is not None and self.training:
+            self._load = r.demand.detach().float() + (0 if self._load is None else self._load)
         if self.ep is None:
             y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
         else:
@@ -105,6 +113,20 @@ class MoELayer(nn.Module):
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)
         return y.view(shape), aux
+
+    def update_routing_bias(self):
+        """After every optimizer step (the fairseq tasks call it; plain PyTorch: after optimizer.step()):
+        move each expert's routing bias by bias_update_rate toward balance, from the load of every rank
+        since the last update (an all-reduce when several processes train: call it on all of them)."""
+        if not self.cfg.bias_update_rate:
+            return
+        load = torch.zeros_like(self.routing_bias) if self._load is None else self._load.to(self.routing_bias)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(load)
+        with torch.no_grad():
+            self.routing_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        self._load = None
 
     def _remote(self, rows, counts, ops):
         """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
@@ -138,3 +160,9 @@ class MoELayer(nn.Module):
                        if shazeer and clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale
                        else zero),
         )
+
+
+def _fresh_bias_if_missing(module, state_dict, prefix, *args):
+    """A checkpoint trained without the balancing bias loads into a layer that has one: a zero bias."""
+    if prefix + "routing_bias" not in state_dict:
+        state_dict[prefix + "routing_bias"] = torch.zeros_like(module.routing_bias)

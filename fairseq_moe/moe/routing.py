@@ -42,7 +42,7 @@ register_routing = registrar(ROUTINGS)
 
 
 @register_routing("topk")
-def route(logits, top_k, capacity=None, router=None, options=None, training=False):
+def route(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None):
     """Top-k routing of logits[T, E] with GShard priority dropping.
 
     router: None (torch ops here) or a fused op with the contract of fairseq_moe_kernels.reference.router
@@ -55,6 +55,12 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
       (a dropped choice is then lost weight), instead of over the kept ones after.
     - batch_prioritized_routing: inside one choice rank, tokens by their highest probability, not by
       position; random_token_selection (training only): in a random order.
+    - score: "softmax" over the experts, or "sigmoid" per expert (DeepSeek-V3; the balance loss and the
+      entropy then read the scores normalised over the experts).
+    - expert_groups G, topk_groups M: the k experts come from the M groups (of E / G consecutive experts)
+      whose two best scores sum highest (DeepSeek-V3's group-limited routing).
+    bias: [E] added to the scores for choosing only (the aux-loss-free balancing bias); weights are the
+    scores themselves.
 
     Priority: every token's first choice comes before any token's second choice, and so on;
     inside one choice rank, earlier tokens first (or as the options say). Weights: for k = 1 the raw
@@ -66,13 +72,27 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
     before = getattr(options, "normalize_gate_prob_before_dropping", False) and top_k > 1
     by_score = getattr(options, "batch_prioritized_routing", False)
     shuffle = getattr(options, "random_token_selection", False) and training
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E], also what the balance loss reads
+    score = getattr(options, "score", "softmax")
+    groups, topk_groups = getattr(options, "expert_groups", 1), getattr(options, "topk_groups", None)
+    limited = groups > 1 and topk_groups is not None and topk_groups < groups
+    if score == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        probs = scores / scores.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+    else:
+        probs = scores = torch.softmax(logits.float(), dim=-1)  # [T, E], also what the balance loss reads
     valid = None  # [T, k] bool: the choices that ask for an expert (policy "random" thins them)
-    if router is not None and policy == "all" and not (by_score or shuffle):
-        # a fused kernel with fairseq_moe_kernels.reference.router's contract (raw probabilities)
-        top_probs, top_experts, demand, order = router(logits, top_k)
+    if router is not None and policy == "all" and not (by_score or shuffle or limited) and bias is None:
+        # a fused kernel with fairseq_moe_kernels.reference.router's contract (raw scores)
+        top_probs, top_experts, demand, order = router(logits, top_k, score=score)
         perm = None
     else:
+        choice = scores if bias is None else scores + bias.to(scores.dtype)
+        if limited:  # only the experts of the topk_groups best groups may be chosen
+            grouped = choice.view(T, groups, E // groups)
+            group_score = grouped.topk(min(2, E // groups), dim=-1).values.sum(-1)  # [T, G]
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+                1, group_score.topk(topk_groups, dim=-1).indices, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(E // groups, dim=1), float("-inf"))
         if policy == "sampling":
             first = probs.argmax(-1, keepdim=True)
             gumbel = -torch.empty_like(probs).exponential_().log()  # Gumbel(0, 1)
@@ -80,7 +100,8 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
             top_experts = torch.cat([first, rest], 1)
             top_probs = probs.gather(1, top_experts)
         else:
-            top_probs, top_experts = probs.topk(top_k, dim=-1)  # [T, k]
+            top_experts = choice.topk(top_k, dim=-1).indices  # [T, k]
+            top_probs = scores.gather(1, top_experts)
         if policy == "random":
             g = top_probs / top_probs.sum(-1, keepdim=True) if before else top_probs
             valid = torch.cat([torch.ones_like(g[:, :1], dtype=torch.bool),

@@ -113,6 +113,8 @@ class MoETaskMixin:
 
     def optimizer_step(self, optimizer, model, update_num):
         super().optimizer_step(optimizer, model, update_num)
+        for _, block in moe_blocks(model):  # every rank, in the same order (a collective per biased layer)
+            block.moe.update_routing_bias()
         if self.load_log is not None:
             # Once per update; update_num counts finished updates, so this one is update_num + 1.
             self.load_log.maybe_write(update_num + 1, model)

@@ -66,7 +66,7 @@ def launched(data_bin, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, extra", [
     (2, ()),
-    (2, ("--moe-a2a-overlap-degree", "3")),
+    (2, ("--moe-a2a-overlap-degree", "3", "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01")),
     (4, ("--moe-a2a-local-size", "2")),
     (2, ("--moe-routing", "expert_choice", "--moe-capacity-factor", "1.5", "--moe-freq", "0", "--encoder-moe-freq", "1")),
 ])

@@ -34,6 +34,9 @@ def test_routing_noise_and_eval_top_k_reach_the_layers(data_bin, tmp_path):
     assert (cfg.second_expert_policy, cfg.normalize_gate_prob_before_dropping, cfg.batch_prioritized_routing,
             cfg.random_token_selection, cfg.expert_grad_normalization) == ("random", True, True, False, "sqrt_world_size")
     assert blocks(data_bin, tmp_path, "--moe-random-token-selection")["encoder.layers.1.fc1"].moe.cfg.random_token_selection
+    cfg = blocks(data_bin, tmp_path, "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01", "--moe-expert-groups",
+                 "2", "--moe-topk-groups", "1")["decoder.layers.1.fc1"].moe.cfg
+    assert (cfg.score, cfg.bias_update_rate, cfg.expert_groups, cfg.topk_groups) == ("sigmoid", 0.01, 2, 1)
     b = blocks(data_bin, tmp_path, "--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2")
     assert sorted(b) == ["encoder.layers.1.fc1"] and b["encoder.layers.1.fc1"].moe.cfg.routing == "expert_choice"
 

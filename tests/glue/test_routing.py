@@ -30,3 +30,20 @@ def test_routing_trains(caplog, data_bin, tmp_path, extra):
     assert sum(losses[-3:]) < sum(losses[:3])
     if "--moe-log-per-layer" in extra:  # through fairseq's aggregation, beside the means
         assert "moe_encoder1_balance=" in caplog.text and "moe_decoder1_entropy=" in caplog.text
+
+
+def test_balancing_bias_moves_is_saved_and_resumes_exactly(data_bin, tmp_path):
+    """--moe-bias-update-rate: the biases move after every update and are checkpointed; 3 + 3 updates
+    (a resume in between) end where 6 straight ones do, biases included."""
+    import torch
+
+    argv = ("--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01", "--moe-expert-groups", "2",
+            "--moe-topk-groups", "1", "--moe-top-k", "2")
+    run_train(train_argv(data_bin, tmp_path / "straight", *argv, "--max-update", "6"))
+    run_train(train_argv(data_bin, tmp_path / "resumed", *argv, "--max-update", "3"))
+    run_train(train_argv(data_bin, tmp_path / "resumed", *argv, "--max-update", "6"))
+    a, b = (torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True)["model"]
+            for name in ("straight", "resumed"))
+    biases = [key for key in a if key.endswith("routing_bias")]
+    assert len(biases) == 2 and all(a[key].any() for key in biases)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)

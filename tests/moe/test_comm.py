@@ -119,6 +119,26 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         assert len(calls) == overlap_degree  # one per chunk (the whole block when not overlapped)
 
 
+def _check_routing_bias(rank, W):
+    """The aux-loss-free bias moves by the load of every rank's tokens: on W ranks (experts spread) it
+    equals the bias the 1-rank layer gets from all the tokens, and every rank holds the same bias."""
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, score="sigmoid", bias_update_rate=0.05,
+                    capacity_factor=0.0)
+    torch.manual_seed(0)
+    full = MoELayer(cfg)
+    torch.manual_seed(0)
+    spread = MoELayer(cfg, expert_parallel(4))
+    xs = [torch.randn(5 + r, 6, generator=torch.Generator().manual_seed(50 + r)) for r in range(W)]
+    spread(xs[rank])
+    spread.update_routing_bias()
+    full(torch.cat(xs))  # all the tokens on one process
+    want = 0.05 * torch.sign(full._load.mean() - full._load)
+    torch.testing.assert_close(spread.routing_bias, want)
+    biases = [torch.empty_like(spread.routing_bias) for _ in range(W)]
+    dist.all_gather(biases, spread.routing_bias)
+    assert all(torch.equal(b, biases[0]) for b in biases) and spread.routing_bias.any()
+
+
 def _check_bad_split(rank, W):
     with pytest.raises(ValueError, match="--moe-expert-count 3"):
         expert_parallel(3)
@@ -143,6 +163,7 @@ CHECKS = {
         (_check_layer, (4, 2, 1.0, None, 1, "torch", "expert_choice")),  # every routing policy
         (_check_layer, (4, 2, 0.0, None, 2, "torch", "dense")),
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
+        (_check_routing_bias, ()),
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
