@@ -42,7 +42,7 @@ LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capaci
                "moe_random_token_selection": "random_token_selection",
                "moe_normalize_expert_grad": "expert_grad_normalization", "moe_score": "score",
                "moe_bias_update_rate": "bias_update_rate", "moe_expert_groups": "expert_groups",
-               "moe_topk_groups": "topk_groups"}
+               "moe_topk_groups": "topk_groups", "moe_shared_expert_count": "shared_experts"}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -108,6 +108,9 @@ def add_moe_args(parser, encoder=True):
                                                            f"(default {D.expert_groups})")
     add("--moe-topk-groups", type=int, metavar="M",
         help="topk: each token's experts come from its M groups whose two best scores sum highest (default: all)")
+    add("--moe-shared-expert-count", type=int, metavar="N",
+        help="always-on experts beside the routed ones, on every token (DeepSeekMoE); replicated on every rank "
+             f"(default {D.shared_experts})")
     add("--moe-normalize-expert-grad", choices=EXPERT_GRAD_NORMALIZATIONS,
         help="with the experts spread over W ranks, divide their gradients by W (as data parallelism: W ranks "
              f"== 1 process) or by sqrt(W x replicas) (default {D.expert_grad_normalization})")

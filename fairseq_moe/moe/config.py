@@ -23,7 +23,7 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "random_token_selection": "--moe-random-token-selection",
          "expert_grad_normalization": "--moe-normalize-expert-grad", "score": "--moe-score",
          "bias_update_rate": "--moe-bias-update-rate", "expert_groups": "--moe-expert-groups",
-         "topk_groups": "--moe-topk-groups"}
+         "topk_groups": "--moe-topk-groups", "shared_experts": "--moe-shared-expert-count"}
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
@@ -80,6 +80,9 @@ class MoEConfig:
     # topk_groups best groups (None: all groups).
     expert_groups: int = 1
     topk_groups: Optional[int] = None
+    # Always-on experts beside the routed ones (DeepSeekMoE): y = routed(x) + sum of the shared experts'
+    # outputs. Replicated on every rank (data parallel) when the routed experts are spread.
+    shared_experts: int = 0
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
@@ -133,6 +136,8 @@ class MoEConfig:
         if self.batch_prioritized_routing and self.random_token_selection:
             bad("random_token_selection", "and --moe-batch-prioritized-routing are two different priorities: "
                                           "choose one")
+        if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
+            bad("shared_experts", "must be an integer >= 0")
         if self.score not in ("softmax", "sigmoid"):
             bad("score", "must be softmax or sigmoid")
         if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):

@@ -15,7 +15,7 @@ class Experts(nn.Module):
     """The experts this rank holds: global experts first_expert .. first_expert + num_experts - 1."""
 
     def __init__(self, num_experts, model_dim, ffn_dim, activation="relu", activation_dropout=0.0,
-                 first_expert=0, total_experts=None):
+                 first_expert=0, total_experts=None, routed=True):
         super().__init__()
         E, d, f = num_experts, model_dim, ffn_dim
         self.first_expert = first_expert
@@ -27,7 +27,7 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.empty(E, f))
         self.w2 = nn.Parameter(torch.empty(E, f, d))
         self.b2 = nn.Parameter(torch.empty(E, d))
-        for p in self.parameters():
+        for p in self.parameters() if routed else ():  # (shared, always-on experts are plain parameters)
             # fairseq's data-parallel all-reduce (legacy_ddp) and grad-norm skip parameters marked so:
             # each rank holds different experts. Marked on one rank too, so that --clip-norm measures
             # the same (shared) parameters whatever the world size.
@@ -63,6 +63,12 @@ class Experts(nn.Module):
         """rows: [N, d] sorted by expert, counts: [E] -> [N, d]. ops: the kernels (fairseq_moe_kernels.backend.ops)."""
         return ops.grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation,
                                self.dropout_p())
+
+    def all_tokens(self, x, ops=reference):
+        """sum over these experts of expert(x): x [T, d] -> [T, d] (shared, always-on experts)."""
+        E, T = self.num_experts, x.shape[0]
+        counts = torch.full((E,), T, dtype=torch.long, device=x.device)
+        return self(x.repeat(E, 1), counts, ops).view(E, T, x.shape[1]).sum(0)
 
     def combine(self, x, token_index, weights, counts, ops=reference):
         """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d], fused."""

@@ -65,6 +65,8 @@ class MoELayer(nn.Module):
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
             cfg.num_experts,
         )
+        self.shared = Experts(cfg.shared_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout,
+                              routed=False) if cfg.shared_experts else None
         self._load = None  # [E] assignments chosen since the last bias update (training forwards)
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
@@ -109,6 +111,8 @@ class MoELayer(nn.Module):
             rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
             y = ops.unpermute(self._remote(rows, r.counts, ops), r.token_index, r.weights, T)  # [T, d]
 
+        if self.shared is not None:
+            y = y + self.shared.all_tokens(x, ops)
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)

@@ -37,6 +37,8 @@ def test_routing_noise_and_eval_top_k_reach_the_layers(data_bin, tmp_path):
     cfg = blocks(data_bin, tmp_path, "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01", "--moe-expert-groups",
                  "2", "--moe-topk-groups", "1")["decoder.layers.1.fc1"].moe.cfg
     assert (cfg.score, cfg.bias_update_rate, cfg.expert_groups, cfg.topk_groups) == ("sigmoid", 0.01, 2, 1)
+    block = blocks(data_bin, tmp_path, "--moe-shared-expert-count", "2")["encoder.layers.1.fc1"]
+    assert block.moe.cfg.shared_experts == 2 and block.moe.shared.w1.shape == (2, 32, 64)
     b = blocks(data_bin, tmp_path, "--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2")
     assert sorted(b) == ["encoder.layers.1.fc1"] and b["encoder.layers.1.fc1"].moe.cfg.routing == "expert_choice"
 

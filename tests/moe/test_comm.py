@@ -69,11 +69,12 @@ def _check_all_to_all(rank, W, local_size):
 
 
 def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch",
-                 routing="topk", normalization="world_size"):
+                 routing="topk", normalization="world_size", shared_experts=0):
     """The layer with its experts spread over the ranks equals the 1-rank layer (torch kernels, fp64;
     with kernel_backend="triton" the spread layer runs the Triton kernels, fp32 in the interpreter)."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
-                    eval_capacity_token_fraction=-1, routing=routing, expert_grad_normalization=normalization)
+                    eval_capacity_token_fraction=-1, routing=routing, expert_grad_normalization=normalization,
+                    shared_experts=shared_experts)
     dtype, tol = (torch.float64, 1e-12) if kernel_backend == "torch" else (torch.float32, 1e-5)
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)  # all E experts, the same weights on every rank
@@ -105,6 +106,9 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     ((y2 * y2).sum() + aux2.balance_loss).backward()
     torch.testing.assert_close(x2.grad, x1.grad, rtol=tol, atol=tol)
     torch.testing.assert_close(spread.gate.weight.grad, full.gate.weight.grad, rtol=tol, atol=tol)
+    if shared_experts:  # replicated like the gate: this rank's tokens only (data parallelism averages them)
+        for p1, p2 in zip(full.shared.parameters(), spread.shared.parameters()):
+            torch.testing.assert_close(p2.grad, p1.grad, rtol=tol, atol=tol)
     # An expert's gradient gathers the tokens of every rank (its EP group's through the all-to-all,
     # the other groups' through its replicas), divided by W as data parallelism averages (or, with the
     # moe branch's sqrt_world_size, by replicas * sqrt(P)).
@@ -167,7 +171,8 @@ CHECKS = {
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
-        (_check_layer, (8, 2, 1.0, 2)),  # capacity dropping, hierarchical all-to-all
+        (_check_layer, (8, 2, 1.0, 2, 1, "torch", "topk", "world_size", 1)),  # capacity dropping, hierarchical
+        # all-to-all, a shared expert
         (_check_layer, (2, 1, 0.0, None)),  # W/E = 2 replicas of each expert
         (_check_layer, (2, 1, 0.0, None, 1, "torch", "topk", "sqrt_world_size")),  # ... divided by 2 * sqrt(2)
         (_check_layer, (4, 4, 0.0, None)),  # k = 4

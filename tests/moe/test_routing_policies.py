@@ -157,3 +157,33 @@ def test_per_call_settings_and_eval_top_k():
     assert torch.equal(eval_one(x)[0], top1(x)[0]) and eval_one(x)[1].top_k == 1
     with pytest.raises(ValueError, match="--moe-top-k"):
         two(x, top_k=5)
+
+
+@pytest.mark.parametrize("routing", ["topk", "dense"])
+def test_shared_experts_are_always_on(routing):
+    """y = the routed experts' output + the sum of every shared expert on every token (DeepSeekMoE); the
+    shared experts are plain parameters (data-parallel under expert parallelism)."""
+    from .oracle import expert_mlp
+
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, routing=routing, shared_experts=2,
+                    capacity_factor=0.0, activation="silu")
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).double()
+    assert not any(getattr(p, "expert", False) for p in layer.shared.parameters())
+    assert all(getattr(p, "expert", False) for p in layer.experts.parameters())
+    x = torch.randn(2, 7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0, 5:] = True
+    y, _ = layer(x, mask)
+    routed_only = MoELayer(dataclasses.replace(cfg, shared_experts=0)).double()
+    routed_only.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("shared.")})
+    want, _ = routed_only(x, mask)
+    s = layer.shared
+    for b in range(2):
+        for t in range(7):
+            if not mask[b, t]:
+                want[b, t] += sum(expert_mlp(x[b, t], e, s.w1, s.b1, s.w2, s.b2, "silu") for e in range(2))
+    torch.testing.assert_close(y, want)
+    assert bool((y[0, 5:] == 0).all())
+    y.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in s.parameters())
