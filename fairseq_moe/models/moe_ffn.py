@@ -25,13 +25,15 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.moe = MoELayer(cfg, ep)
         self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
+        self.token_ids = None  # [B, T] long, set by the encoder/decoder for one forward (hash routing)
         self.last_aux = None
 
     def forward(self, x):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
             mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
-        y, self.last_aux = self.moe(x, None if mask is None else mask.t())
+        ids = None if self.token_ids is None else self.token_ids.t()
+        y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)
         return y
 
 
@@ -84,3 +86,16 @@ def moe_blocks(model):
                 name = name[len("module."):]
             blocks.append((name, module))
     return blocks
+
+
+@contextlib.contextmanager
+def token_ids(module, ids):
+    """ids [B, T] for the MoE blocks of module that route by token id (hash), for one forward."""
+    blocks = [block for _, block in moe_blocks(module) if block.moe.cfg.routing == "hash"]
+    for block in blocks:
+        block.token_ids = ids
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.token_ids = None

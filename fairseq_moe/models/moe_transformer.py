@@ -26,7 +26,7 @@ from ..moe.config import EXPERT_GRAD_NORMALIZATIONS, SECOND_EXPERT_POLICIES
 from ..moe.gates import NOISES
 from ..moe.routing import ROUTINGS
 from ..moe.comm import expert_parallel
-from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks
+from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
 logger = logging.getLogger(__name__)
 D = MoEConfig  # its field defaults are the defaults of the layer's flags
@@ -81,7 +81,7 @@ def add_moe_args(parser, encoder=True):
     add("--moe-routing", choices=sorted(ROUTINGS),
         help="who goes where: topk (each token picks its k experts), expert_choice (each expert picks "
              "its ceil(CF * k * tokens / experts) tokens; encoder layers only), dense (every token to every "
-             f"expert, weighted) (default {D.routing})")
+             f"expert, weighted), hash (token id mod E, no router; k = 1) (default {D.routing})")
     add("--moe-gate-noise", choices=NOISES,
         help="training-only router noise: jitter multiplies the gate input by U(1-s, 1+s), gaussian adds "
              f"N(0, s^2) to the logits (default {D.gate_noise})")
@@ -204,6 +204,10 @@ def _wrap(layer, cfg):
 
 
 class MoETransformerEncoder(TransformerEncoderBase):
+    def forward(self, src_tokens, *args, **kwargs):
+        with token_ids(self, src_tokens):  # (hash routing: the source token at each position)
+            return super().forward(src_tokens, *args, **kwargs)
+
     def build_encoder_layer(self, cfg):
         # fairseq builds the layers in order without passing the index: count them here.
         index = self._built = getattr(self, "_built", -1) + 1
@@ -214,6 +218,14 @@ class MoETransformerEncoder(TransformerEncoderBase):
 
 
 class MoETransformerDecoder(TransformerDecoderBase):
+    def extract_features_scriptable(self, prev_output_tokens, encoder_out=None, incremental_state=None, *args,
+                                    **kwargs):
+        # Hash routing: the previous output token at each position; one step decodes the last one only.
+        ids = prev_output_tokens[:, -1:] if incremental_state is not None else prev_output_tokens
+        with token_ids(self, ids):
+            return super().extract_features_scriptable(prev_output_tokens, encoder_out, incremental_state, *args,
+                                                       **kwargs)
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         index = self._built = getattr(self, "_built", -1) + 1
         if index not in cfg.moe_decoder_layer_ids:

@@ -59,7 +59,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg.validate()
         self.ep = ep
-        self.gate = GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32)
+        self.gate = None if cfg.routing == "hash" else (  # (hash routing has no learned router)
+            GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32))
         local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
         self.experts = Experts(
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
@@ -75,10 +76,10 @@ class MoELayer(nn.Module):
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
 
-    def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None):
+    def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None, token_ids=None):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
         top_k, capacity_factor: other values for this call only (default: the config's; at eval the
-        config's eval_top_k when set).
+        config's eval_top_k when set). token_ids: [...] the token id at each position (hash routing).
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
@@ -95,14 +96,19 @@ class MoELayer(nn.Module):
                 raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
             keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
             x = x.index_select(0, keep)
+        if token_ids is not None:
+            if token_ids.shape != shape[:-1]:
+                raise ValueError(f"token_ids {tuple(token_ids.shape)} must match x{tuple(shape[:-1])}")
+            token_ids = token_ids.reshape(-1) if keep is None else token_ids.reshape(-1).index_select(0, keep)
         T = x.shape[0]
         ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
 
-        logits, clean = noisy_logits(self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
+        logits, clean = (None, None) if self.gate is None else noisy_logits(
+            self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         bias = getattr(self, "routing_bias", None)
         r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training,
-                                  **({} if bias is None else {"bias": bias}))
+                                  bias=bias, token_ids=token_ids)
         if bias is not None and self.training:
             self._load = r.demand.detach().float() + (0 if self._load is None else self._load)
         if self.ep is None:
@@ -146,13 +152,14 @@ class MoELayer(nn.Module):
         return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 
     def _aux(self, logits, clean, r, T, k, cfg):
-        zero = self.gate.weight.sum() * 0.0  # a zero loss that still belongs to the graph
+        # A zero loss that still belongs to the graph (hash routing has no router: a plain zero).
+        zero = self.gate.weight.sum() * 0.0 if self.gate is not None else r.probs.new_zeros(())
         if T == 0:  # nothing routed
             return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach(), importance_loss=zero, load_loss=zero)
         shazeer = r.top_experts is not None  # (top-k routing) Shazeer's losses; the load one needs Gaussian noise
         return MoEAux(
             balance_loss=zero if r.top_experts is None else balance_loss(r.probs, r.top_experts),
-            z_loss=router_z_loss(logits),
+            z_loss=zero if logits is None else router_z_loss(logits),
             demand=r.demand.detach(),
             counts=r.counts.detach(),
             num_tokens=T,

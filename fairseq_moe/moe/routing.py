@@ -7,6 +7,7 @@ A policy maps logits [T, E] to a Routing: rows sorted by expert, each with its t
   inside its expert is below C.
 - expert_choice (Zhou et al. 2022): each expert picks its top-C tokens; a token gets 0..E experts.
 - dense: every token goes to every expert, weighted by the router probabilities (no selection at all).
+- hash (Roller et al. 2021): a fixed map from the token id to an expert, no learned router.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -37,12 +38,12 @@ class Routing:
     # tokens no expert took
 
 
-ROUTINGS = {}  # name -> fn(logits [T, E], top_k, capacity, router, options, training) -> Routing (see route)
+ROUTINGS = {}  # name -> fn(logits [T, E], top_k, capacity, router, options, training, bias, token_ids) -> Routing
 register_routing = registrar(ROUTINGS)
 
 
 @register_routing("topk")
-def route(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None):
+def route(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None, token_ids=None):
     """Top-k routing of logits[T, E] with GShard priority dropping.
 
     router: None (torch ops here) or a fused op with the contract of fairseq_moe_kernels.reference.router
@@ -117,12 +118,7 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
     # this flat order is the priority order, and order (sorted by expert, stable) keeps it inside
     # each expert.
     flat_expert = (top_experts if perm is None else top_experts[perm]).t().reshape(-1)  # [k*T]
-    if capacity is None:
-        kept_order, counts = order, demand
-    else:
-        starts = torch.cumsum(demand, 0) - demand  # [E] first sorted row of each expert
-        rank = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
-        kept_order, counts = order[rank < capacity], demand.clamp(max=capacity)
+    kept_order, counts = _within_capacity(order, flat_expert, demand, capacity)
     kept = torch.zeros(top_k * T, dtype=torch.bool, device=logits.device).index_fill_(0, kept_order, True)
     kept_tk = kept.view(top_k, T).t()  # [T, k], rows in priority order
     if perm is not None:
@@ -150,8 +146,36 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
     )
 
 
+def _within_capacity(order, flat_expert, demand, capacity):
+    """(the assignments kept, kept per expert): in each expert, the first `capacity` in priority order."""
+    if capacity is None:
+        return order, demand
+    starts = torch.cumsum(demand, 0) - demand  # [E] first sorted row of each expert
+    rank = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
+    return order[rank < capacity], demand.clamp(max=capacity)
+
+
+@register_routing("hash")
+def hash_routing(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None,
+                 token_ids=None):
+    """Token id i goes to expert i mod E, with weight 1: over fairseq's dictionaries (sorted by frequency)
+    a round-robin, i.e. Roller et al.'s balanced assignment of the vocabulary. No router, no logits; the
+    same token always meets the same expert, in incremental decoding too. Over capacity, the later
+    tokens (by position) are dropped. token_ids: [T] long (MoELayer's token_ids)."""
+    if token_ids is None:
+        raise ValueError("--moe-routing hash routes by token id: call the layer with token_ids=")
+    E = options.num_experts
+    experts = token_ids.reshape(-1, 1).long() % E  # [T, 1]
+    demand, order = sort_assignments(experts, E)
+    kept_order, counts = _within_capacity(order, experts[:, 0], demand, capacity)
+    T = experts.shape[0]
+    return Routing(token_index=kept_order, weights=torch.ones(kept_order.numel(), device=experts.device),
+                   counts=counts, probs=torch.nn.functional.one_hot(experts[:, 0], E).float(), top_experts=None,
+                   demand=demand, capacity=capacity, dropped=1.0 - kept_order.numel() / T if T else 0.0)
+
+
 @register_routing("expert_choice")
-def expert_choice(logits, top_k, capacity, router=None, options=None, training=False):
+def expert_choice(logits, top_k, capacity, router=None, options=None, training=False, bias=None, token_ids=None):
     """Each expert takes the C tokens it scores highest (probabilities: softmax over the experts), with
     that probability as the weight; the rows of an expert are in token order. C = min(capacity, T):
     capacity comes from MoEConfig.capacity (ceil(capacity_factor * k * T / E) in training), so a token
@@ -170,7 +194,7 @@ def expert_choice(logits, top_k, capacity, router=None, options=None, training=F
 
 
 @register_routing("dense")
-def dense(logits, top_k, capacity=None, router=None, options=None, training=False):
+def dense(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None, token_ids=None):
     """Every token to every expert, weighted by its router probability: y = sum_e p_e(x) expert_e(x).
     No selection, no capacity, nothing dropped (top_k and capacity are not used)."""
     T, E = logits.shape

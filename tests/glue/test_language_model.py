@@ -111,6 +111,22 @@ def test_incremental_decoding_equals_the_full_forward(trained):
     torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
+def test_hash_routing_in_incremental_decoding(lm_data_bin, tmp_path):
+    """--moe-routing hash: the decoder passes each position's previous token to its MoE layers, one
+    token at a time when decoding step by step: the same experts, the same output as the full forward."""
+    _, model, _, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--moe-routing", "hash", "--moe-top-k", "1"))
+    model.eval()
+    x = tokens(model, seed=2)[:2]
+    with torch.no_grad():
+        full = model(x)[0]
+        counts = [block.last_aux.counts.clone() for _, block in moe_blocks(model)]
+        state = {}
+        steps = [model(x[:, :t + 1], incremental_state=state)[0][:, -1] for t in range(x.shape[1])]
+    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    E = moe_blocks(model)[0][1].moe.cfg.num_experts
+    assert counts[0].tolist() == torch.bincount(x.reshape(-1) % E, minlength=E).tolist()  # token id mod E
+
+
 def test_moe_lm_task_needs_moe_layers(lm_data_bin, tmp_path):
     argv = lm_train_argv(lm_data_bin, tmp_path)
     argv[argv.index("moe_transformer_lm_tiny")] = "transformer_lm"

@@ -23,7 +23,8 @@ def train_losses(caplog, data_bin, tmp_path, *extra):
     ("--moe-second-expert-policy", "random", "--moe-random-token-selection", "--moe-capacity-factor", "0.5"),
     ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "1.0", "--moe-gate-loss-type", "importance_load",
      "--moe-gate-loss-wt", "0.1"),
-], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts", "importance-load"])
+    ("--moe-routing", "hash", "--moe-top-k", "1", "--moe-shared-expert-count", "1"),
+], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts", "importance-load", "hash"])
 def test_routing_trains(caplog, data_bin, tmp_path, extra):
     losses = train_losses(caplog, data_bin, tmp_path, *extra)
     assert len(losses) == 12, caplog.text[-2000:]
@@ -47,3 +48,13 @@ def test_balancing_bias_moves_is_saved_and_resumes_exactly(data_bin, tmp_path):
     biases = [key for key in a if key.endswith("routing_bias")]
     assert len(biases) == 2 and all(a[key].any() for key in biases)
     torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_hash_routing_generates(data_bin, tmp_path):
+    """Beam search decodes step by step: the decoder's hash-routed layers get each step's token."""
+    from .helpers import USER_DIR, run_generate
+
+    run_train(train_argv(data_bin, tmp_path, "--max-update", "3", "--moe-routing", "hash", "--moe-top-k", "1"))
+    scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "checkpoint_last.pt"),
+                           "--task", "moe_translation", "--gen-subset", "test", "--beam", "3", "--cpu"])
+    assert "BLEU" in scorer.result_string()

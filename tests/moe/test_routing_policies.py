@@ -26,7 +26,8 @@ def test_policy_contract(name, k, capacity):
     if name == "expert_choice" and capacity is None:
         capacity = 7  # MoEConfig gives expert choice a capacity always
     logits = logits_for(k).requires_grad_()
-    r = ROUTINGS[name](logits, k, capacity)
+    options = MoEConfig(model_dim=4, ffn_dim=4, num_experts=E)
+    r = ROUTINGS[name](logits, k, capacity, options=options, token_ids=torch.arange(T) * 7)
     N = r.token_index.numel()
     assert r.token_index.shape == r.weights.shape == (N,) and r.counts.shape == r.demand.shape == (E,)
     assert int(r.counts.sum()) == N and bool((r.token_index >= 0).all()) and bool((r.token_index < T).all())
@@ -37,9 +38,12 @@ def test_policy_contract(name, k, capacity):
     for rows in torch.split(r.token_index, r.counts.tolist()):
         assert rows.unique().numel() == rows.numel()
     assert 0.0 <= r.dropped <= 1.0
-    (r.weights * torch.arange(N, dtype=torch.float64)).sum().backward()
-    assert logits.grad is not None and logits.grad.abs().sum() > 0  # the router learns through the weights
-    again = ROUTINGS[name](logits.detach(), k, capacity)
+    if name == "hash":  # no router: nothing to learn
+        assert not r.weights.requires_grad
+    else:
+        (r.weights * torch.arange(N, dtype=torch.float64)).sum().backward()
+        assert logits.grad is not None and logits.grad.abs().sum() > 0  # the router learns through the weights
+    again = ROUTINGS[name](logits.detach(), k, capacity, options=options, token_ids=torch.arange(T) * 7)
     assert torch.equal(again.token_index, r.token_index) and torch.equal(again.weights, r.weights.detach())
 
 
@@ -187,3 +191,32 @@ def test_shared_experts_are_always_on(routing):
     assert bool((y[0, 5:] == 0).all())
     y.sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in s.parameters())
+
+
+def test_hash_routing_maps_token_ids_to_experts():
+    """Roller et al.: token id i goes to expert i mod E with weight 1, whatever the input; over capacity
+    the later positions are dropped; no router parameters."""
+    from .oracle import expert_mlp
+
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=3, top_k=1, routing="hash", capacity_factor=0.0)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).double()
+    assert layer.gate is None and not [n for n, _ in layer.named_parameters() if n.startswith("gate")]
+    ids = torch.tensor([[5, 2, 9, 4], [7, 7, 1, 0]])
+    x = torch.randn(2, 4, 6, dtype=torch.float64)
+    y, aux = layer(x, token_ids=ids)
+    ex = layer.experts
+    for b in range(2):
+        for t in range(4):
+            want = expert_mlp(x[b, t], int(ids[b, t]) % 3, ex.w1, ex.b1, ex.w2, ex.b2)
+            torch.testing.assert_close(y[b, t], want)
+    assert aux.counts.tolist() == [2, 4, 2] and float(aux.balance_loss) == 0.0 and float(aux.z_loss) == 0.0
+    capped = MoELayer(dataclasses.replace(cfg, capacity_factor=1.0)).double()  # C = ceil(8 / 3) = 3
+    capped.load_state_dict(layer.state_dict())
+    y2, aux2 = capped(x, token_ids=ids)
+    assert aux2.counts.tolist() == [2, 3, 2]
+    assert bool((y2[1, 2] == 0).all()) and torch.equal(y2[0], y[0])  # expert 1's 4th token (by position) dropped
+    with pytest.raises(ValueError, match="token_ids"):
+        layer(x)
+    with pytest.raises(ValueError, match="--moe-top-k"):
+        dataclasses.replace(cfg, top_k=2).validate()
