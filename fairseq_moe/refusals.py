@@ -103,12 +103,12 @@ REFUSALS = (
             "losses in the graph and does not offload); use --checkpoint-activations",
             "MoE layers use torch's non-reentrant checkpoint, so that the router losses keep their gradients",
             {"flags": {"offload_activations": True}}),
-    Refusal("expert choice routing in a decoder", ("--moe-routing", "--decoder-moe-freq"), "build",
-            lambda c: c.flag("moe_routing") == "expert_choice" and bool(c.flag("moe_decoder_layer_ids")),
-            "--moe-routing expert_choice cannot be used in decoder layers: each expert picks among all the "
-            "tokens of a batch, so a token's output would depend on later tokens (--moe-freq {moe_freq}, "
+    Refusal("token-mixing routing in a decoder", ("--moe-routing", "--decoder-moe-freq"), "build",
+            lambda c: c.flag("moe_routing") in ("expert_choice", "soft") and bool(c.flag("moe_decoder_layer_ids")),
+            "--moe-routing {moe_routing} cannot be used in decoder layers: it mixes the tokens of a batch or "
+            "sentence, so a token's output would depend on later tokens (--moe-freq {moe_freq}, "
             "--decoder-moe-freq {decoder_moe_freq}). Keep MoE in the encoder only (--moe-freq 0 "
-            "--encoder-moe-freq N), or route the decoder with topk or dense",
+            "--encoder-moe-freq N), or route the decoder with topk, dense or hash",
             "a causal decoder must not see the future, and incremental decoding sees one token at a time",
             {"flags": {"moe_routing": "expert_choice", "moe_decoder_layer_ids": [1], "moe_freq": 2,
                        "decoder_moe_freq": 0}}),

@@ -32,6 +32,9 @@ class MoEFeedForward(nn.Module):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
             mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
+        if self.moe.cfg.routing == "soft":  # Soft MoE mixes the tokens of one sentence: groups [B, T, C]
+            y, self.last_aux = self.moe(x.transpose(0, 1), mask)
+            return y.transpose(0, 1)
         ids = None if self.token_ids is None else self.token_ids.t()
         y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)
         return y

@@ -42,7 +42,8 @@ LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capaci
                "moe_random_token_selection": "random_token_selection",
                "moe_normalize_expert_grad": "expert_grad_normalization", "moe_score": "score",
                "moe_bias_update_rate": "bias_update_rate", "moe_expert_groups": "expert_groups",
-               "moe_topk_groups": "topk_groups", "moe_shared_expert_count": "shared_experts"}
+               "moe_topk_groups": "topk_groups", "moe_shared_expert_count": "shared_experts",
+               "moe_soft_slots": "soft_slots"}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -81,7 +82,9 @@ def add_moe_args(parser, encoder=True):
     add("--moe-routing", choices=sorted(ROUTINGS),
         help="who goes where: topk (each token picks its k experts), expert_choice (each expert picks "
              "its ceil(CF * k * tokens / experts) tokens; encoder layers only), dense (every token to every "
-             f"expert, weighted), hash (token id mod E, no router; k = 1) (default {D.routing})")
+             f"expert, weighted), hash (token id mod E, no router; k = 1), soft (Soft MoE: slots mixing the tokens "
+             f"of a sentence; encoder layers only) (default {D.routing})")
+    add("--moe-soft-slots", type=int, metavar="P", help=f"soft: slots per expert (default {D.soft_slots})")
     add("--moe-gate-noise", choices=NOISES,
         help="training-only router noise: jitter multiplies the gate input by U(1-s, 1+s), gaussian adds "
              f"N(0, s^2) to the logits (default {D.gate_noise})")

@@ -23,7 +23,8 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "random_token_selection": "--moe-random-token-selection",
          "expert_grad_normalization": "--moe-normalize-expert-grad", "score": "--moe-score",
          "bias_update_rate": "--moe-bias-update-rate", "expert_groups": "--moe-expert-groups",
-         "topk_groups": "--moe-topk-groups", "shared_experts": "--moe-shared-expert-count"}
+         "topk_groups": "--moe-topk-groups", "shared_experts": "--moe-shared-expert-count",
+         "soft_slots": "--moe-soft-slots"}
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
@@ -83,6 +84,9 @@ class MoEConfig:
     # Always-on experts beside the routed ones (DeepSeekMoE): y = routed(x) + sum of the shared experts'
     # outputs. Replicated on every rank (data parallel) when the routed experts are spread.
     shared_experts: int = 0
+    # Soft MoE (routing "soft"): slots per expert; each slot is a softmax-weighted mixture of the tokens
+    # of one group (a sentence in fairseq), each token a softmax-weighted mixture of the slots' outputs.
+    soft_slots: int = 1
 
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
@@ -142,6 +146,10 @@ class MoEConfig:
                                           "choose one")
         if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
             bad("shared_experts", "must be an integer >= 0")
+        if not isinstance(self.soft_slots, int) or isinstance(self.soft_slots, bool) or self.soft_slots < 1:
+            bad("soft_slots", "must be an integer >= 1")
+        if self.soft_slots != 1 and self.routing != "soft":
+            bad("soft_slots", f"applies to --moe-routing soft (here {self.routing})")
         if self.score not in ("softmax", "sigmoid"):
             bad("score", "must be softmax or sigmoid")
         if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):

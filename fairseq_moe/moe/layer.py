@@ -26,7 +26,7 @@ from .experts import Experts
 from .gates import GATES, noisy_logits
 from .losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
 from .pipeline import pipelined_experts
-from .routing import ROUTINGS
+from .routing import ROUTINGS, soft_weights
 
 
 @dataclass
@@ -59,8 +59,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg.validate()
         self.ep = ep
+        logits_per_token = cfg.num_experts * (cfg.soft_slots if cfg.routing == "soft" else 1)  # (soft: per slot)
         self.gate = None if cfg.routing == "hash" else (  # (hash routing has no learned router)
-            GATES[cfg.gate](cfg.model_dim, cfg.num_experts, fp32=cfg.gate_fp32))
+            GATES[cfg.gate](cfg.model_dim, logits_per_token, fp32=cfg.gate_fp32))
         local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
         self.experts = Experts(
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
@@ -84,6 +85,8 @@ class MoELayer(nn.Module):
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
         cfg = self.cfg
+        if cfg.routing == "soft":
+            return self._soft(x, padding_mask)
         k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
         if k != cfg.top_k or capacity_factor is not None:
             cf = cfg.capacity_factor if capacity_factor is None else capacity_factor
@@ -122,6 +125,43 @@ class MoELayer(nn.Module):
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)
+        return y.view(shape), aux
+
+    def _soft(self, x, padding_mask):
+        """Soft MoE on x [G, n, d] (G groups of n tokens; [n, d]: one group): each expert's slots are
+        mixtures of a group's tokens, each token a mixture of its group's slot outputs (soft_weights)."""
+        cfg = self.cfg
+        shape = x.shape
+        if x.dim() not in (2, 3):
+            raise ValueError(f"--moe-routing soft takes x [groups, tokens, d] or [tokens, d], not {tuple(shape)}")
+        x = x.reshape(-1, shape[-2], shape[-1])  # [G, n, d]
+        mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()
+        if padding_mask is not None and padding_mask.shape != shape[:-1]:
+            raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
+        G, n, d = x.shape
+        E, p = cfg.num_experts, cfg.soft_slots
+        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
+        logits, _ = noisy_logits(self.gate, x.reshape(-1, d), cfg.gate_noise, cfg.gate_noise_scale, self.training)
+        logits = logits.view(G, n, E * p)
+        dispatch, combine = soft_weights(logits, mask)  # [G, n, E*p], fp32
+        slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*p, d]
+        rows = slots.view(G, E, p, d).transpose(0, 1).reshape(E * G * p, d)  # sorted by expert
+        counts = torch.full((E,), G * p, dtype=torch.long, device=x.device)
+        out = self.experts(rows, counts, ops) if self.ep is None else self._remote(rows, counts, ops)
+        out = out.view(E, G, p, d).transpose(0, 1).reshape(G, E * p, d)
+        y = torch.einsum("gns,gsd->gnd", combine.to(x.dtype), out)
+        if self.shared is not None:
+            y = y + self.shared.all_tokens(x.reshape(-1, d), ops).view(G, n, d)
+        if mask is not None:
+            y = y.masked_fill(mask.unsqueeze(-1), 0.0)
+        real = logits.reshape(G * n, E * p) if mask is None else logits[~mask]  # [T, E*p] of the real tokens
+        T = real.shape[0]
+        zero = self.gate.weight.sum() * 0.0
+        # "demand": how much of the tokens' outputs each expert provides (the combine weights it gets).
+        share = (combine.reshape(G * n, E * p) if mask is None else combine[~mask]).sum(0).view(E, p).sum(1)
+        aux = MoEAux(zero, router_z_loss(real) if T else zero, share.detach(), counts, T, 1,
+                     gate_entropy(torch.softmax(real.detach().float(), -1)) if T else zero.detach(),
+                     importance_loss=zero, load_loss=zero)
         return y.view(shape), aux
 
     def update_routing_bias(self):

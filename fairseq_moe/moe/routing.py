@@ -8,6 +8,8 @@ A policy maps logits [T, E] to a Routing: rows sorted by expert, each with its t
 - expert_choice (Zhou et al. 2022): each expert picks its top-C tokens; a token gets 0..E experts.
 - dense: every token goes to every expert, weighted by the router probabilities (no selection at all).
 - hash (Roller et al. 2021): a fixed map from the token id to an expert, no learned router.
+- soft (Puigcerver et al. 2023): no routing of tokens at all; MoELayer mixes tokens into slots
+  (soft_weights); registered here so that --moe-routing offers it.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -202,3 +204,24 @@ def dense(logits, top_k, capacity=None, router=None, options=None, training=Fals
     counts = torch.full((E,), T, dtype=torch.long, device=logits.device)
     return Routing(token_index=torch.arange(T, device=logits.device).repeat(E), weights=probs.t().reshape(-1),
                    counts=counts, probs=probs, top_experts=None, demand=counts, capacity=None)
+
+
+def soft_weights(logits, padding_mask=None):
+    """Soft MoE's (dispatch, combine) weights from the slot logits [G, n, S] of G groups of n tokens:
+    dispatch softmaxes over the tokens of a group (each slot is a mixture of tokens), combine over the
+    slots (each token a mixture of slot outputs). Padding takes no part in any slot (dispatch 0); a
+    group of padding only dispatches nothing."""
+    logits = logits.float()
+    if padding_mask is not None:
+        logits = logits.masked_fill(padding_mask.unsqueeze(-1), float("-inf"))
+    dispatch = torch.nan_to_num(torch.softmax(logits, dim=1), nan=0.0)
+    combine = torch.nan_to_num(torch.softmax(logits, dim=2), nan=0.0)
+    return dispatch, combine
+
+
+@register_routing("soft")
+def soft(logits, top_k, capacity=None, router=None, options=None, training=False, bias=None, token_ids=None):
+    raise ValueError("--moe-routing soft mixes tokens into slots inside MoELayer: it has no per-token routing")
+
+
+soft.slots = True  # (not a per-token policy: MoELayer takes the soft path; the contract test skips it)

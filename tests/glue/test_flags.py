@@ -64,6 +64,8 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--moe-gate-loss-wt", "-0.1"), "--moe-gate-loss-wt"),
     (("--moe-a2a-overlap-degree", "0"), "--moe-a2a-overlap-degree"),
     (("--moe-routing", "expert_choice"), "--moe-routing"),  # the decoder has MoE layers: refused
+    (("--moe-routing", "soft"), "--moe-routing"),
+    (("--moe-soft-slots", "2"), "--moe-soft-slots"),  # not soft routing
     (("--moe-routing", "expert_choice", "--moe-capacity-factor", "0", "--moe-freq", "0", "--encoder-moe-freq", "2"),
      "--moe-capacity-factor"),
     (("--moe-gate-noise", "jitter", "--moe-gate-noise-scale", "1.5"), "--moe-gate-noise-scale"),

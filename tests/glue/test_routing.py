@@ -24,7 +24,9 @@ def train_losses(caplog, data_bin, tmp_path, *extra):
     ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "1.0", "--moe-gate-loss-type", "importance_load",
      "--moe-gate-loss-wt", "0.1"),
     ("--moe-routing", "hash", "--moe-top-k", "1", "--moe-shared-expert-count", "1"),
-], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts", "importance-load", "hash"])
+    ("--moe-routing", "soft", "--moe-soft-slots", "2", "--moe-freq", "0", "--encoder-moe-freq", "1"),
+], ids=["topk-noise-eval-k", "expert_choice", "dense", "moe-branch-options", "random-rts", "importance-load", "hash",
+        "soft"])
 def test_routing_trains(caplog, data_bin, tmp_path, extra):
     losses = train_losses(caplog, data_bin, tmp_path, *extra)
     assert len(losses) == 12, caplog.text[-2000:]

@@ -115,3 +115,26 @@ def topk_oracle(probs, k, capacity, order=None, before=False, valid=None):
             weights.append(top_p[t, j] if k == 1 else top_p[t, j] / denom)
     counts = [len(taken.get(e, [])) for e in range(E)]
     return torch.tensor(token_index, dtype=torch.long), torch.stack(weights), torch.tensor(counts)
+
+
+def soft_oracle(x, gate_weight, w1, b1, w2, b2, slots, padding=None, activation="relu"):
+    """Soft MoE (Puigcerver et al. 2023) on x [G, n, d], group by group, slot by slot: slot s is the sum
+    over the group's real tokens of softmax_tokens(logits[:, s]) * x; expert s // slots runs on it; token t
+    gets the sum over slots of softmax_slots(logits[t]) * the slot's output."""
+    G, n, d = x.shape
+    out = torch.zeros_like(x)
+    for g in range(G):
+        real = [t for t in range(n) if padding is None or not padding[g, t]]
+        if not real:
+            continue
+        logits = torch.stack([F.linear(x[g, t].float(), gate_weight.float()) for t in real])  # [r, S]
+        S = logits.shape[1]
+        slot_out = []
+        for s in range(S):
+            w = torch.softmax(logits[:, s], 0)
+            slot_in = sum(w[i].to(x.dtype) * x[g, t] for i, t in enumerate(real))
+            slot_out.append(expert_mlp(slot_in, s // slots, w1, b1, w2, b2, activation))
+        for i, t in enumerate(real):
+            c = torch.softmax(logits[i], 0)
+            out[g, t] = sum(c[s].to(x.dtype) * slot_out[s] for s in range(S))
+    return out

@@ -97,6 +97,8 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     g = torch.Generator().manual_seed(100 + rank)
     T = [0, 7, 13, 4][rank % 4] if capacity_factor else [5, 0, 9, 11][rank % 4]  # a rank with no tokens
     x = torch.randn(T, 6, generator=g, dtype=torch.float64).to(dtype)
+    if routing == "soft":  # groups of tokens: [G, n, d] (a rank with no group)
+        x = x[:T - T % 3].view(-1, 3, 6)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ids = torch.randint(0, 50, (T,), generator=g) if routing == "hash" else None
     y1, aux1 = full(x1, token_ids=ids)
@@ -171,6 +173,7 @@ CHECKS = {
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
         (_check_layer, (4, 1, 1.0, None, 1, "torch", "hash")),
+        (_check_layer, (4, 1, 0.0, None, 2, "torch", "soft")),  # Soft MoE's slots, overlapped all-to-alls
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks

@@ -9,7 +9,7 @@ import torch
 
 from fairseq_moe.moe import MoEConfig, MoELayer
 from fairseq_moe.moe.gates import noisy_logits
-from fairseq_moe.moe.routing import ROUTINGS
+from fairseq_moe.moe.routing import ROUTINGS, soft_weights
 
 from .oracle import expert_choice_oracle, policy_oracle
 
@@ -20,7 +20,7 @@ def logits_for(seed, T=T, E=E):
     return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
 
 
-@pytest.mark.parametrize("name", sorted(ROUTINGS))
+@pytest.mark.parametrize("name", sorted(n for n in ROUTINGS if not getattr(ROUTINGS[n], "slots", False)))
 @pytest.mark.parametrize("k, capacity", [(1, 5), (2, 4), (2, None)])
 def test_policy_contract(name, k, capacity):
     if name == "expert_choice" and capacity is None:
@@ -220,3 +220,45 @@ def test_hash_routing_maps_token_ids_to_experts():
         layer(x)
     with pytest.raises(ValueError, match="--moe-top-k"):
         dataclasses.replace(cfg, top_k=2).validate()
+
+
+def test_soft_weights_are_softmaxes_over_the_right_axes():
+    logits = torch.randn(2, 5, 6, dtype=torch.float64)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    dispatch, combine = soft_weights(logits, mask)
+    torch.testing.assert_close(dispatch.sum(1), torch.ones(2, 6, dtype=torch.float32))  # over the tokens
+    assert bool((dispatch[1, 3:] == 0).all())  # padding is in no slot
+    torch.testing.assert_close(combine[~mask].sum(-1), torch.ones(8, dtype=torch.float32))  # over the slots
+    d_all, _ = soft_weights(logits, torch.ones(2, 5, dtype=torch.bool))
+    assert not d_all.isnan().any() and not d_all.any()
+
+
+@pytest.mark.parametrize("slots, padded", [(1, False), (2, True)])
+def test_soft_moe_matches_plain_loop(slots, padded):
+    from .oracle import soft_oracle
+
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=3, routing="soft", soft_slots=slots, activation="gelu")
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).double()
+    assert layer.gate.weight.shape == (3 * slots, 6)
+    x = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    if padded:
+        mask[1, 2:] = True
+        mask[2, :] = True  # a group of padding only
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, aux = layer(x1, mask if padded else None)
+    ex = layer.experts
+    params = [layer.gate.weight, ex.w1, ex.b1, ex.w2, ex.b2]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    want = soft_oracle(x2, *copies, slots, mask if padded else None, activation="gelu")
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-7)  # (the mixing weights are fp32, as the router's)
+    assert aux.num_tokens == int((~mask).sum()) if padded else 15
+    assert float(aux.demand.sum()) == pytest.approx(aux.num_tokens)  # every token's combine weights sum to 1
+    weight = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y)
+    (y * weight).sum().backward()
+    (want * weight).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    for p, c in zip(params, copies):  # the slot router and the experts
+        torch.testing.assert_close(p.grad, c.grad, rtol=1e-5, atol=1e-7)
