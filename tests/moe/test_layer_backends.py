@@ -14,7 +14,8 @@ def run(backend, cfg, x, mask, seed=0):
     layer = MoELayer(MoEConfig(**cfg, kernel_backend=backend))
     torch.manual_seed(seed + 1)  # the same draws for the options that draw (training)
     x = x.clone().requires_grad_()
-    y, aux = layer(x, mask)
+    ids = torch.arange(mask.numel()).view(mask.shape) * 7 if cfg.get("routing") == "hash" else None
+    y, aux = layer(x, mask, token_ids=ids)
     loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + 0.1 * aux.balance_loss + 0.01 * aux.z_loss
     loss.backward()
     grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
@@ -24,7 +25,7 @@ def run(backend, cfg, x, mask, seed=0):
 @pytest.mark.parametrize("top_k, capacity_factor, routing", [
     (1, 0.0, "topk"), (2, 1.0, "topk"), pytest.param(4, 0.0, "topk", marks=pytest.mark.slow),
     (2, 0.5, "expert_choice"), (2, 0.0, "dense"), (2, 1.0, "batch_prioritized_routing"),
-    (2, 1.0, "second_expert_policy=sampling"), (2, 1.0, "score=sigmoid")])
+    (2, 1.0, "second_expert_policy=sampling"), (2, 1.0, "score=sigmoid"), (1, 1.0, "hash"), (2, 0.0, "soft")])
 def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
     """Options of top-k routing skip the fused router; the rest of the Triton path stays."""
     option = {"batch_prioritized_routing": dict(batch_prioritized_routing=True),
