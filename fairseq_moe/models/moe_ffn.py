@@ -46,7 +46,10 @@ class _MoEBlock:
     forward when --use-moe-pad-mask."""
 
     def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, **kwargs):
-        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask
+        # Policies that mix tokens (expert choice, soft) always keep padding out: it would change the
+        # output of the real tokens with the amount of padding in the batch.
+        mixes = moe_cfg.routing in ("expert_choice", "soft")
+        self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask or mixes
         super().__init__(cfg, **kwargs)
         self.activation_fn = _identity
         self.activation_dropout_module = nn.Identity()

@@ -68,7 +68,6 @@ def launched(data_bin, tmp_path_factory):
     (2, ()),
     (2, ("--moe-a2a-overlap-degree", "3", "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01")),
     (4, ("--moe-a2a-local-size", "2", "--moe-shared-expert-count", "1")),
-    (2, ("--moe-routing", "expert_choice", "--moe-capacity-factor", "1.5", "--moe-freq", "0", "--encoder-moe-freq", "1")),
 ])
 def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).

@@ -60,3 +60,22 @@ def test_hash_routing_generates(data_bin, tmp_path):
     scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "checkpoint_last.pt"),
                            "--task", "moe_translation", "--gen-subset", "test", "--beam", "3", "--cpu"])
     assert "BLEU" in scorer.result_string()
+
+
+def test_soft_moe_output_does_not_depend_on_the_batch(data_bin, tmp_path):
+    """Soft MoE mixes the tokens of one sentence, padding kept out (without --use-moe-pad-mask too): a
+    sentence encodes the same alone and beside a longer one."""
+    import torch
+
+    from .helpers import build
+
+    _, model, _, _ = build(train_argv(data_bin, tmp_path, "--moe-routing", "soft", "--moe-soft-slots", "2",
+                                      "--moe-freq", "0", "--encoder-moe-freq", "1"))
+    model.eval()
+    pad = model.encoder.padding_idx
+    short = torch.tensor([[5, 9, 12, 2]])
+    batch = torch.tensor([[pad, pad, 5, 9, 12, 2], [7, 8, 6, 11, 10, 2]])  # fairseq pads the source on the left
+    with torch.no_grad():
+        alone = model.encoder(short, src_lengths=torch.tensor([4]))["encoder_out"][0][:, 0]
+        both = model.encoder(batch, src_lengths=torch.tensor([4, 6]))["encoder_out"][0][2:, 0]
+    torch.testing.assert_close(both, alone, rtol=1e-5, atol=1e-5)
