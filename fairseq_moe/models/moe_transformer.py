@@ -22,7 +22,7 @@ from fairseq_moe_kernels import backend as kernel_backend
 from .. import refusals
 from ..errors import FlagError
 from ..moe import GATES, MoEConfig
-from ..moe.config import EXPERT_GRAD_NORMALIZATIONS, SECOND_EXPERT_POLICIES
+from ..moe.config import EXPERT_GRAD_NORMALIZATIONS, FLAGS, SECOND_EXPERT_POLICIES
 from ..moe.gates import NOISES
 from ..moe.routing import ROUTINGS
 from ..moe.comm import expert_parallel
@@ -31,19 +31,10 @@ from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 logger = logging.getLogger(__name__)
 D = MoEConfig  # its field defaults are the defaults of the layer's flags
 
-# The layer's flags and their MoEConfig fields: their defaults are MoEConfig's (D), set here once.
-LAYER_FLAGS = {"moe_expert_count": "num_experts", "moe_capacity_factor": "capacity_factor",
-               "moe_eval_capacity_token_fraction": "eval_capacity_token_fraction", "moe_gate": "gate",
-               "moe_gating_use_fp32": "gate_fp32", "moe_kernel_backend": "kernel_backend", "moe_routing": "routing",
-               "moe_gate_noise": "gate_noise", "moe_gate_noise_scale": "gate_noise_scale",
-               "moe_eval_top_k": "eval_top_k", "moe_second_expert_policy": "second_expert_policy",
-               "moe_normalize_gate_prob_before_dropping": "normalize_gate_prob_before_dropping",
-               "moe_batch_prioritized_routing": "batch_prioritized_routing",
-               "moe_random_token_selection": "random_token_selection",
-               "moe_normalize_expert_grad": "expert_grad_normalization", "moe_score": "score",
-               "moe_bias_update_rate": "bias_update_rate", "moe_expert_groups": "expert_groups",
-               "moe_topk_groups": "topk_groups", "moe_shared_expert_count": "shared_experts",
-               "moe_soft_slots": "soft_slots"}
+# The layer's flags and their MoEConfig fields, from MoEConfig's FLAGS: their defaults are MoEConfig's (D).
+# Not among them: the sizes, fairseq's activation flags, and --moe-top-k / --moe-expert-ffn-dim (below).
+LAYER_FLAGS = {flag[2:].replace("-", "_"): name for name, flag in FLAGS.items()
+               if name not in ("model_dim", "ffn_dim", "top_k", "activation", "activation_dropout")}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.

@@ -86,6 +86,8 @@ class MoELayer(nn.Module):
         """
         cfg = self.cfg
         if cfg.routing == "soft":
+            if top_k is not None or capacity_factor is not None:
+                raise ValueError("--moe-routing soft has no top-k and no capacity to set for a call")
             return self._soft(x, padding_mask)
         k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
         if k != cfg.top_k or capacity_factor is not None:

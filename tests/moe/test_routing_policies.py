@@ -262,3 +262,5 @@ def test_soft_moe_matches_plain_loop(slots, padded):
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
     for p, c in zip(params, copies):  # the slot router and the experts
         torch.testing.assert_close(p.grad, c.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="no top-k"):
+        layer(x, top_k=1)
