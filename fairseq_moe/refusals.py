@@ -61,6 +61,7 @@ def _model_routed_by(routing, **settings):
     from .models.moe_ffn import MoEFeedForward
     from .moe import MoEConfig
 
+    settings.setdefault("top_k", 1 if routing == "hash" else 2)
     return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing,
                                                   **settings)))
 
@@ -81,7 +82,7 @@ def _neg_log_without_balance_loss(ctx):
     transform = getattr(getattr(ctx.criterion, "moe_cfg", None), "moe_gate_loss_transform", None)
     model = ctx.model if hasattr(ctx.model, "named_modules") else None
     routings = {block.moe.cfg.routing for _, block in moe_blocks(model)} if model is not None else set()
-    return transform == "neg_log" and bool(routings & {"expert_choice", "dense"})
+    return transform == "neg_log" and bool(routings & {"expert_choice", "dense", "hash", "soft"})
 
 
 REFUSALS = (
@@ -165,8 +166,8 @@ REFUSALS = (
             {"spread": True, "task": argparse.Namespace(eval_bleu=True)}),
     Refusal("the neg_log balance-loss transform with routing that has no balance loss",
             ("--moe-gate-loss-transform", "--moe-routing"), "trainer", _neg_log_without_balance_loss,
-            "--moe-gate-loss-transform neg_log cannot be used with --moe-routing expert_choice or dense: they "
-            "balance the load by construction and have no balance loss (its log would be -inf)",
+            "--moe-gate-loss-transform neg_log cannot be used with --moe-routing expert_choice, dense, hash or "
+            "soft: they have no balance loss (it is 0, and its log -inf)",
             "the balance loss of those policies is zero",
             {"model": lambda: _model_routed_by("expert_choice"),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),

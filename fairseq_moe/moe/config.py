@@ -159,8 +159,11 @@ class MoEConfig:
         if self.topk_groups is not None and not (isinstance(self.topk_groups, int) and 1 <= self.topk_groups
                                                  <= self.expert_groups):
             bad("topk_groups", f"must be an integer in [1, --moe-expert-groups {self.expert_groups}]")
-        if self.topk_groups is not None and self.top_k > self.topk_groups * (self.num_experts // self.expert_groups):
-            bad("topk_groups", f"leaves fewer than --moe-top-k {self.top_k} experts to choose from "
+        if (self.expert_groups > 1) != (self.topk_groups is not None):
+            bad("topk_groups", "and --moe-expert-groups G > 1 go together (group-limited routing needs both)")
+        k_most = max(self.top_k, self.eval_top_k if isinstance(self.eval_top_k, int) else 0)
+        if self.topk_groups is not None and k_most > self.topk_groups * (self.num_experts // self.expert_groups):
+            bad("topk_groups", f"leaves fewer than --moe-top-k/--moe-eval-top-k {k_most} experts to choose from "
                                f"({self.topk_groups} groups of {self.num_experts // self.expert_groups})")
         for name, off in (("score", "softmax"), ("bias_update_rate", 0.0), ("topk_groups", None)):
             if getattr(self, name) != off and self.routing != "topk":

@@ -92,7 +92,9 @@ class MoELayer(nn.Module):
         k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
         if k != cfg.top_k or capacity_factor is not None:
             cf = cfg.capacity_factor if capacity_factor is None else capacity_factor
-            cfg = dataclasses.replace(cfg, top_k=k, capacity_factor=cf).validate()
+            # With k = 1 the options of the second and later choices have nothing to act on: off.
+            second = {} if k > 1 else dict(second_expert_policy="all", normalize_gate_prob_before_dropping=False)
+            cfg = dataclasses.replace(cfg, top_k=k, capacity_factor=cf, **second).validate()
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T_all, d]
         keep = None
@@ -165,6 +167,15 @@ class MoELayer(nn.Module):
                      gate_entropy(torch.softmax(real.detach().float(), -1)) if T else zero.detach(),
                      importance_loss=zero, load_loss=zero)
         return y.view(shape), aux
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .half(), .bfloat16() move the balancing bias but keep it fp32: its steps of
+        bias_update_rate (1e-3) would round away in bf16 once it is around 0.5."""
+        out = super()._apply(fn, *args, **kwargs)
+        bias = getattr(self, "routing_bias", None)
+        if bias is not None and bias.dtype != torch.float32:
+            self.routing_bias = bias.float()
+        return out
 
     def update_routing_bias(self):
         """After every optimizer step (the fairseq tasks call it; plain PyTorch: after optimizer.step()):

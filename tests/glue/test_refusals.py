@@ -25,3 +25,11 @@ def test_every_refusal(refusal):
     if refusal.example.get("spread"):
         refusals.check(refusal.stage, context(quiet))
     refusals.check(refusal.stage, refusals.Context(flags=argparse.Namespace()))  # defaults: nothing refused
+
+
+@pytest.mark.parametrize("routing", ["expert_choice", "dense", "hash", "soft"])
+def test_neg_log_refused_for_every_routing_without_balance_loss(routing):
+    criterion = argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))
+    with pytest.raises(FlagError, match="--moe-gate-loss-transform neg_log"):
+        refusals.check("trainer", refusals.Context(flags=argparse.Namespace(), criterion=criterion,
+                                                   model=refusals._model_routed_by(routing)))

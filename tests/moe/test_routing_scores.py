@@ -130,7 +130,30 @@ def test_bias_is_state_and_loads_from_a_checkpoint_without_it():
     (dict(expert_groups=3, topk_groups=4), "--moe-topk-groups"),
     (dict(expert_groups=6, topk_groups=1, top_k=2), "--moe-topk-groups"),  # one expert to choose from
     (dict(second_expert_policy="sampling", score="sigmoid"), "--moe-second-expert-policy"),
+    (dict(expert_groups=2), "--moe-topk-groups"),  # groups without a limit: nothing to do
+    (dict(topk_groups=1), "--moe-topk-groups"),
+    (dict(expert_groups=3, topk_groups=1, top_k=2, eval_top_k=3), "--moe-topk-groups"),  # eval k too
 ])
 def test_settings_name_their_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         dataclasses.replace(BASE, **overrides).validate()
+
+
+def test_bias_stays_fp32_in_a_bf16_model():
+    """A bf16 model keeps its balancing bias fp32: steps of 1e-3 on a bias near 0.5 are not rounded away."""
+    layer = MoELayer(dataclasses.replace(BASE, score="sigmoid", bias_update_rate=0.001)).to(torch.bfloat16)
+    assert layer.routing_bias.dtype == torch.float32 and layer.gate.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        layer.routing_bias.fill_(0.5)
+    layer._load = torch.tensor([9.0, 0, 0, 0, 0, 3.0])  # mean 2: expert 0 and 5 over, the rest under
+    layer.update_routing_bias()
+    torch.testing.assert_close(layer.routing_bias, torch.tensor([0.499, 0.501, 0.501, 0.501, 0.501, 0.499]))
+    layer(torch.randn(5, 4, dtype=torch.bfloat16))  # and it still routes
+
+
+def test_eval_top_k_turns_the_second_choice_options_off():
+    """Trained with k = 2 and second-choice options, evaluated with --moe-eval-top-k 1: no error."""
+    for option in (dict(second_expert_policy="random"), dict(normalize_gate_prob_before_dropping=True)):
+        layer = MoELayer(dataclasses.replace(BASE, eval_top_k=1, **option)).eval()
+        _, aux = layer(torch.randn(7, 4))
+        assert aux.top_k == 1
