@@ -28,6 +28,17 @@ class Context:
     def flag(self, name, default=None):
         return getattr(self.flags, name, default)
 
+    def layers(self):
+        """The MoEConfig of every MoE layer of the model (trainer stage; none without a model)."""
+        from .models.moe_ffn import moe_blocks  # (the table is imported before fairseq's models)
+
+        model = self.model if hasattr(self.model, "named_modules") else None
+        return [block.moe.cfg for _, block in moe_blocks(model)] if model is not None else []
+
+    def loss(self, name):
+        """A setting of the MoE criterion (MoELossConfig), None for another criterion."""
+        return getattr(getattr(self.criterion, "moe_cfg", None), name, None)
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -46,14 +57,6 @@ def _adaptive_softmax(ctx):
     return getattr(decoder, "adaptive_softmax", None) is not None and hasattr(ctx.criterion, "moe_cfg")
 
 
-def _biases_never_moved(ctx):
-    from .models.moe_ffn import moe_blocks
-
-    model = ctx.model if hasattr(ctx.model, "named_modules") else None
-    biased = model is not None and any(b.moe.cfg.bias_update_rate for _, b in moe_blocks(model))
-    return biased and not ctx.moe_task
-
-
 def _model_routed_by(routing, **settings):
     """An example model: one MoE block with this routing (for the test of the table)."""
     from torch import nn
@@ -64,25 +67,6 @@ def _model_routed_by(routing, **settings):
     settings.setdefault("top_k", 1 if routing == "hash" else 2)
     return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing,
                                                   **settings)))
-
-
-def _shazeer_without_noisy_top_k(ctx):
-    from .models.moe_ffn import moe_blocks
-
-    loss_type = getattr(getattr(ctx.criterion, "moe_cfg", None), "moe_gate_loss_type", None)
-    model = ctx.model if hasattr(ctx.model, "named_modules") else None
-    cfgs = [block.moe.cfg for _, block in moe_blocks(model)] if model is not None else []
-    return loss_type == "importance_load" and any(
-        c.routing != "topk" or c.gate_noise != "gaussian" or not c.gate_noise_scale for c in cfgs)
-
-
-def _neg_log_without_balance_loss(ctx):
-    from .models.moe_ffn import moe_blocks  # (the table is imported before fairseq's models)
-
-    transform = getattr(getattr(ctx.criterion, "moe_cfg", None), "moe_gate_loss_transform", None)
-    model = ctx.model if hasattr(ctx.model, "named_modules") else None
-    routings = {block.moe.cfg.routing for _, block in moe_blocks(model)} if model is not None else set()
-    return transform == "neg_log" and bool(routings & {"expert_choice", "dense", "hash", "soft"})
 
 
 REFUSALS = (
@@ -165,7 +149,9 @@ REFUSALS = (
             "the ranks would wait for each other forever",
             {"spread": True, "task": argparse.Namespace(eval_bleu=True)}),
     Refusal("the neg_log balance-loss transform with routing that has no balance loss",
-            ("--moe-gate-loss-transform", "--moe-routing"), "trainer", _neg_log_without_balance_loss,
+            ("--moe-gate-loss-transform", "--moe-routing"), "trainer",
+            lambda c: c.loss("moe_gate_loss_transform") == "neg_log" and any(
+                layer.routing in ("expert_choice", "dense", "hash", "soft") for layer in c.layers()),
             "--moe-gate-loss-transform neg_log cannot be used with --moe-routing expert_choice, dense, hash or "
             "soft: they have no balance loss (it is 0, and its log -inf)",
             "the balance loss of those policies is zero",
@@ -173,13 +159,16 @@ REFUSALS = (
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),
     Refusal("the aux-loss-free balancing bias with a task that is not an MoE task", ("--moe-bias-update-rate",
                                                                                    "--task"), "trainer",
-            _biases_never_moved,
+            lambda c: any(layer.bias_update_rate for layer in c.layers()) and not c.moe_task,
             "--moe-bias-update-rate needs --task moe_translation or moe_language_modeling: their optimizer step "
             "moves the routing biases; with another task they would never move",
             "the bias update runs after every optimizer step, from the MoE task",
             {"model": lambda: _model_routed_by("topk", bias_update_rate=0.01), "moe_task": False}),
     Refusal("Shazeer's importance and load losses without noisy top-k gating",
-            ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer", _shazeer_without_noisy_top_k,
+            ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer",
+            lambda c: c.loss("moe_gate_loss_type") == "importance_load" and any(
+                layer.routing != "topk" or layer.gate_noise != "gaussian" or not layer.gate_noise_scale
+                for layer in c.layers()),
             "--moe-gate-loss-type importance_load needs --moe-routing topk and --moe-gate-noise gaussian with a "
             "--moe-gate-noise-scale > 0: its load term estimates, from that noise, how likely each expert is chosen",
             "Shazeer et al.'s load estimator is defined by the noise of noisy top-k gating",

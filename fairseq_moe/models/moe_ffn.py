@@ -96,8 +96,12 @@ def moe_blocks(model):
 
 @contextlib.contextmanager
 def token_ids(module, ids):
-    """ids [B, T] for the MoE blocks of module that route by token id (hash), for one forward."""
-    blocks = [block for _, block in moe_blocks(module) if block.moe.cfg.routing == "hash"]
+    """ids [B, T] for the MoE blocks of module that route by token id (hash), for one forward. The blocks
+    are found once per module (its layers do not change after the build), not at every forward."""
+    blocks = module.__dict__.get("_hash_routed_blocks")
+    if blocks is None:  # (a plain attribute, not a registered submodule list)
+        blocks = module.__dict__["_hash_routed_blocks"] = [
+            block for _, block in moe_blocks(module) if block.moe.cfg.routing == "hash"]
     for block in blocks:
         block.token_ids = ids
     try:

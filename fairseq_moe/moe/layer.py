@@ -9,11 +9,10 @@ Data path: gate -> route (the policy: top-k, expert choice, dense; capacity) -> 
 [all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
 spread over ranks (ep).
 """
-from dataclasses import dataclass
-from functools import partial
-from typing import Optional
-
 import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property, partial
+from typing import Optional
 
 import torch
 from torch import nn
@@ -40,10 +39,28 @@ class MoEAux:
     num_tokens: int  # tokens routed (padding excluded)
     top_k: int
     entropy: torch.Tensor  # scalar, mean router entropy (nats)
-    dropped_fraction: float = 0.0  # top-k: of the T*k assignments, over capacity; expert choice: of
-    # the tokens, taken by no expert (Routing.dropped)
-    importance_loss: Optional[torch.Tensor] = None  # scalar, Shazeer's CV(importance)^2 (top-k routing)
-    load_loss: Optional[torch.Tensor] = None  # scalar, Shazeer's CV(load)^2 (top-k with Gaussian gate noise)
+    dropped: object = 0.0  # Routing.dropped (a number or a 0-d tensor: read through dropped_fraction)
+    # What Shazeer's losses are computed from, when asked for (top-k routing): (probs, top_experts, and
+    # with Gaussian gate noise the clean and noisy logits, k and the noise std). None: they are zero.
+    shazeer: Optional[tuple] = field(default=None, repr=False)
+
+    @property
+    def dropped_fraction(self):
+        """Top-k: the fraction of the T*k assignments over capacity; expert choice: of the tokens taken by
+        no expert (a host read, when asked for)."""
+        return float(self.dropped)
+
+    @cached_property
+    def importance_loss(self):
+        """Shazeer et al.'s CV(importance)^2 (top-k routing; else 0), computed on first use only."""
+        return self.z_loss * 0.0 if self.shazeer is None else importance_loss(*self.shazeer[:2])
+
+    @cached_property
+    def load_loss(self):
+        """Shazeer et al.'s CV(load)^2 (top-k with Gaussian gate noise; else 0), computed on first use only."""
+        if self.shazeer is None or self.shazeer[2] is None:
+            return self.z_loss * 0.0
+        return load_loss(*self.shazeer[2:])
 
     @property
     def imbalance(self):
@@ -164,8 +181,7 @@ class MoELayer(nn.Module):
         # "demand": how much of the tokens' outputs each expert provides (the combine weights it gets).
         share = (combine.reshape(G * n, E * p) if mask is None else combine[~mask]).sum(0).view(E, p).sum(1)
         aux = MoEAux(zero, router_z_loss(real) if T else zero, share.detach(), counts, T, 1,
-                     gate_entropy(torch.softmax(real.detach().float(), -1)) if T else zero.detach(),
-                     importance_loss=zero, load_loss=zero)
+                     gate_entropy(torch.softmax(real.detach().float(), -1)) if T else zero.detach())
         return y.view(shape), aux
 
     def _apply(self, fn, *args, **kwargs):
@@ -208,8 +224,8 @@ class MoELayer(nn.Module):
         # A zero loss that still belongs to the graph (hash routing has no router: a plain zero).
         zero = self.gate.weight.sum() * 0.0 if self.gate is not None else r.probs.new_zeros(())
         if T == 0:  # nothing routed
-            return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach(), importance_loss=zero, load_loss=zero)
-        shazeer = r.top_experts is not None  # (top-k routing) Shazeer's losses; the load one needs Gaussian noise
+            return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach())
+        noisy = clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale
         return MoEAux(
             balance_loss=zero if r.top_experts is None else balance_loss(r.probs, r.top_experts),
             z_loss=zero if logits is None else router_z_loss(logits),
@@ -218,11 +234,9 @@ class MoELayer(nn.Module):
             num_tokens=T,
             top_k=k,
             entropy=gate_entropy(r.probs.detach()),
-            dropped_fraction=r.dropped,
-            importance_loss=importance_loss(r.probs, r.top_experts) if shazeer else zero,
-            load_loss=(load_loss(clean, logits.float(), k, cfg.gate_noise_scale)
-                       if shazeer and clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale
-                       else zero),
+            dropped=r.dropped,
+            shazeer=None if r.top_experts is None else (
+                r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else (None,))),
         )
 
 

@@ -36,7 +36,8 @@ class Routing:
     # the balance loss reads it; None where the policy balances the load by construction)
     demand: torch.Tensor  # [E] long: assignments per expert before dropping
     capacity: Optional[int]  # None when dropless
-    dropped: float = 0.0  # topk: the fraction of the T*k assignments dropped; expert_choice: of the
+    dropped: object = 0.0  # (a number, or a 0-d tensor so that no host read happens here) topk: the
+    # fraction of the T*k assignments dropped; expert_choice: of the
     # tokens no expert took
 
 
@@ -135,7 +136,6 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
         weights = masked / denom
     flat_weights = (weights if perm is None else weights[perm]).t().reshape(-1)  # [k*T] in assignment order
     token_index = kept_order % T
-    asked = int(demand.sum())
     return Routing(
         token_index=token_index if perm is None else perm[token_index],
         weights=flat_weights[kept_order],
@@ -144,7 +144,7 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
         top_experts=top_experts,
         demand=demand,
         capacity=capacity,
-        dropped=1.0 - kept_order.numel() / asked if asked else 0.0,
+        dropped=1.0 - kept_order.numel() / demand.sum().clamp(min=1),
     )
 
 
@@ -192,7 +192,7 @@ def expert_choice(logits, top_k, capacity, router=None, options=None, training=F
     taken = torch.zeros(T, dtype=torch.bool, device=logits.device).index_fill_(0, token_index, True)
     return Routing(token_index=token_index, weights=top_w.gather(1, order).reshape(-1), counts=counts,
                    probs=probs, top_experts=None, demand=counts, capacity=C,
-                   dropped=1.0 - taken.sum().item() / T if T else 0.0)
+                   dropped=1.0 - taken.float().mean() if T else 0.0)
 
 
 @register_routing("dense")

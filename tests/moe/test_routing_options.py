@@ -86,7 +86,7 @@ def test_second_expert_random_keeps_it_with_twice_its_weight(before):
     # A token whose second choice was thinned keeps the first expert alone: weight 1, or p1 / (p1 + p2)
     # when normalised before.
     assert lone.numel() > 0 and torch.allclose(w, torch.full_like(w, float(p[0] / (p[0] + p[1])) if before else 1.0))
-    assert r.dropped == 0.0  # thinned choices are not counted as dropped
+    assert float(r.dropped) == 0.0  # thinned choices are not counted as dropped
     ev = route(logits[:10], 2, None, options=opts(second_expert_policy="random"), training=False)
     assert ev.counts.tolist()[:2] == [10, 10]
 
