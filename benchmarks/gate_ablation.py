@@ -5,11 +5,15 @@
 
 Each row trains moe_transformer_tiny exactly as examples/translation/run.py does (data, BPE, budget, lr
 schedule, seed, dropless decoding), with only the routing flags of the row added, then decodes the test
-books and scores them. It prints one table (BLEU, chrF, valid ppl, training time, the router's last
-logged imbalance = max/mean tokens per expert) and writes it to RUN_DIR/gate_ablation.md and .json.
-Every flag of run.py (--max-update, --experts, --device, ...) is taken as it is.
+books and scores them. It prints one table (BLEU, chrF, valid ppl, training time: wall and CPU seconds
+of the training process, the CPU time being what other jobs on the same cores do not inflate; the
+router's last logged imbalance = max/mean tokens per expert) and writes it to RUN_DIR/gate_ablation.md and .json,
+again after every row. Every flag of run.py (--max-update, --experts, --device, ...) is taken as it is.
+Each row's result is kept in RUN_DIR/NAME/row.json; `--reuse` takes a row from there instead of training
+it again when it was measured with the same budget and flags (the table says when each row was measured).
 """
 import argparse
+import json
 import re
 import sys
 import time
@@ -56,6 +60,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated rows to run, of: {', '.join(POLICIES)}")
+    p.add_argument("--reuse", action="store_true",
+                   help="take rows already measured with the same budget and flags from RUN_DIR/NAME/row.json")
     own, rest = p.parse_known_args(argv)
     names = [n for n in own.policies.split(",") if n]
     unknown = [n for n in names if n not in POLICIES]
@@ -63,38 +69,60 @@ def main(argv=None):
         p.error(f"--policies: unknown {unknown} (choose from {', '.join(POLICIES)})")
     a = quickstart.parse_args(rest + ["--skip-dense"])
     try:
-        run(a, names)
+        run(a, names, own.reuse)
     except (quickstart.corpus.CorpusError, pipeline.StepError) as e:
         sys.exit(f"error: {e}")
 
 
-def run(a, names):
+def run(a, names, reuse=False):
     start = time.time()
     raw_dir, spm_model, data_bin, _ = quickstart.prepare_data(a)
     refs = (raw_dir / f"test.{a.tgt_lang}").read_text(encoding="utf-8").splitlines()
     run_dir = a.workdir / "runs" / raw_dir.parent.name / "gate_ablation"
+    budget = (f"{a.max_update} updates x {a.max_tokens} tokens, {a.experts} experts, top-{a.top_k}, lr {a.lr}, "
+              f"seed {a.seed}, {a.device}")
     results = {}
     for name in names:
         flags, what = POLICIES[name]
         model_dir = run_dir / name
-        cmd = pipeline.moe_train_cmd(a, data_bin, model_dir, quickstart.PLUGIN_DIR, model_dir / "load.jsonl") + flags
-        (model_dir / "load.jsonl").unlink(missing_ok=True)
-        r = quickstart.run_model(a, name, cmd, ["--user-dir", str(quickstart.PLUGIN_DIR), "--task", "moe_translation"],
-                                 data_bin, spm_model, refs, model_dir)
-        results[name] = dict(r, flags=flags, what=what, imbalance=last_imbalance(model_dir / "train.log"))
-    header = "| routing | flags | BLEU | chrF | valid ppl | train time | imbalance |\n|---|---|---|---|---|---|---|\n"
+        kept = _kept_row(model_dir / "row.json", budget, flags) if reuse else None
+        if kept:
+            print(f"| {name}: reused from {model_dir / 'row.json'} (measured {kept['date']})", flush=True)
+            results[name] = kept
+        else:
+            cmd = (pipeline.moe_train_cmd(a, data_bin, model_dir, quickstart.PLUGIN_DIR, model_dir / "load.jsonl")
+                   + flags)
+            (model_dir / "load.jsonl").unlink(missing_ok=True)
+            r = quickstart.run_model(a, name, cmd, ["--user-dir", str(quickstart.PLUGIN_DIR), "--task",
+                                                    "moe_translation"], data_bin, spm_model, refs, model_dir)
+            results[name] = dict(r, flags=flags, what=what, imbalance=last_imbalance(model_dir / "train.log"),
+                                 budget=budget, date=time.strftime("%Y-%m-%d %H:%M"))
+            pipeline.write_json(model_dir / "row.json", results[name])
+        write_table(run_dir, budget, results, time.time() - start)
+
+
+def _kept_row(path, budget, flags):
+    """A row measured before with this budget and these flags, or None."""
+    if not path.exists():
+        return None
+    row = json.loads(path.read_text(encoding="utf-8"))
+    return row if row.get("budget") == budget and row.get("flags") == flags else None
+
+
+def write_table(run_dir, budget, results, wall_seconds):
+    header = ("| routing | flags | BLEU | chrF | valid ppl | train time (wall) | train CPU time | imbalance | "
+              "measured |\n|---|---|---|---|---|---|---|---|---|\n")
     rows = "".join(f"| {n} ({r['what']}) | `{' '.join(r['flags']) or '(none)'}` | {r['bleu']:.2f} | "
                    f"{r['chrf']:.2f} | {_number(r.get('valid_ppl'))} | {quickstart._duration(r['train_seconds'])} | "
-                   f"{_number(r['imbalance'])} |\n" for n, r in results.items())
-    budget = (f"{a.max_update} updates x {a.max_tokens} tokens, {a.experts} experts, lr {a.lr}, seed {a.seed}, "
-              f"{a.device}; {time.strftime('%Y-%m-%d')}")
+                   f"{quickstart._duration(r['train_cpu_seconds'])} | {_number(r['imbalance'])} | {r['date']} |\n"
+                   for n, r in results.items())
     table = f"Routing ablation ({budget})\n\n{header}{rows}"
     print("\n" + table)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "gate_ablation.md").write_text(table, encoding="utf-8")
     pipeline.write_json(run_dir / "gate_ablation.json", {"budget": budget, "results": results,
-                                                        "wall_seconds": round(time.time() - start, 1)})
-    print(f"| table: {run_dir / 'gate_ablation.md'}")
+                                                        "wall_seconds": round(wall_seconds, 1)})
+    print(f"| table: {run_dir / 'gate_ablation.md'}", flush=True)
 
 
 if __name__ == "__main__":

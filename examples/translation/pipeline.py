@@ -5,6 +5,7 @@ is streamed to the console and copied to a log file."""
 import json
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
@@ -166,18 +167,26 @@ def moe_train_cmd(a, data_bin, save_dir, user_dir, stats_file):
 
 
 def train(cmd, save_dir):
-    """Train from scratch (fairseq would resume from an old checkpoint)."""
+    """Train from scratch (fairseq would resume from an old checkpoint).
+    Returns (checkpoint_best.pt, wall seconds, CPU seconds of the training)."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     for old in save_dir.glob("checkpoint*.pt"):
         old.unlink()
-    start = time.time()
+    start, cpu = time.time(), _children_cpu_seconds()
     run_logged(cmd, save_dir / "train.log")
-    seconds = time.time() - start
+    seconds, cpu = time.time() - start, _children_cpu_seconds() - cpu
     checkpoint = save_dir / "checkpoint_best.pt"
     if not checkpoint.exists():
         raise StepError(f"training finished without writing {checkpoint}")
-    return checkpoint, seconds
+    return checkpoint, seconds, cpu
+
+
+def _children_cpu_seconds():
+    """CPU seconds (user + system) of the finished children of this process: the work of a training,
+    which, unlike its wall time, other jobs on the same cores do not inflate."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def last_valid_stats(log_file):

@@ -126,7 +126,7 @@ def prepare_data(a):
 def run_model(a, name, train_cmd, gen_args, data_bin, spm_model, refs, model_dir):
     """Train one model, decode the test set and score it."""
     print(f"\n===== training the {name} model =====", flush=True)
-    checkpoint, seconds = pipeline.train(train_cmd, model_dir)
+    checkpoint, seconds, cpu_seconds = pipeline.train(train_cmd, model_dir)
     print(f"\n===== translating the test set with the {name} model =====", flush=True)
     start = time.time()
     pieces = pipeline.generate(a, data_bin, checkpoint, model_dir, gen_args)
@@ -141,6 +141,7 @@ def run_model(a, name, train_cmd, gen_args, data_bin, spm_model, refs, model_dir
         **pipeline.score(hyps, refs),
         **{f"valid_{k}": v for k, v in pipeline.last_valid_stats(model_dir / "train.log").items()},
         "train_seconds": round(seconds, 1),
+        "train_cpu_seconds": round(cpu_seconds, 1),
         "generate_seconds": round(time.time() - start, 1),
         "checkpoint": str(checkpoint),
         "hypotheses": str(model_dir / "hyp.detok.txt"),
