@@ -42,8 +42,9 @@ POLICIES = {
     "hash": (["--moe-routing", "hash", "--moe-top-k", "1"], "token id mod E, k = 1 (Roller et al. 2021)"),
     "expert-choice-encoder": (["--moe-routing", "expert_choice", "--moe-freq", "0", "--encoder-moe-freq", "2"],
                               "experts pick tokens (Zhou et al. 2022); encoder only, dense-FFN decoder"),
-    "soft-encoder": (["--moe-routing", "soft", "--moe-freq", "0", "--encoder-moe-freq", "2"],
-                     "Soft MoE slots (Puigcerver et al. 2023); encoder only, dense-FFN decoder"),
+    "soft-encoder": (["--moe-routing", "soft", "--moe-gate", "scaled_cosine", "--moe-freq", "0",
+                      "--encoder-moe-freq", "2"],
+                     "Soft MoE slots, normalised router (Puigcerver et al. 2023); encoder only, dense-FFN decoder"),
 }
 
 

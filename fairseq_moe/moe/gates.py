@@ -60,6 +60,25 @@ class CosineGate(nn.Module):
         return F.linear(h, F.normalize(self.weight.float(), dim=-1)) / self.temperature
 
 
+@register_gate("scaled_cosine")
+class ScaledCosineGate(nn.Module):
+    """logits = scale * cos(x, phi_i): Soft MoE's normalised router (Puigcerver et al. 2023, sec. 2.3): x and
+    each row of weight [E, d] l2-normalised, times one learned scalar (init 1), so that the logits do not
+    grow with the model's width. With --moe-routing soft, the rows are the slots' parameters."""
+
+    def __init__(self, model_dim, num_experts, fp32=True):
+        super().__init__()
+        self.fp32 = fp32
+        self.weight = nn.Parameter(torch.empty(num_experts, model_dim, dtype=torch.float32))
+        nn.init.normal_(self.weight, std=model_dim ** -0.5)  # (LeCun normal; the norm is divided out anyway)
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float32))
+
+    def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
+        dtype = torch.float32 if self.fp32 else x.dtype
+        cos = F.linear(F.normalize(x.to(dtype), dim=-1), F.normalize(self.weight.to(dtype), dim=-1)).float()
+        return self.scale.float() * cos
+
+
 def noisy_logits(gate, x, noise="none", scale=0.0, training=False):
     """(logits, clean): gate(x) with the training-only noise of --moe-gate-noise, and the logits without
     it where they are known (None under jitter). jitter multiplies x by U(1 - scale, 1 + scale)

@@ -55,3 +55,19 @@ def test_bf16_layer_with_fp32_gate():
     y, aux = layer(x)
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
     assert aux.balance_loss.dtype == torch.float32
+
+
+def test_scaled_cosine_is_soft_moes_normalised_router():
+    """scale * <x / |x|, phi_i / |phi_i|>: invariant to the size of x and of each phi_i; bounded by |scale|;
+    the scale is learned (init 1)."""
+    torch.manual_seed(0)
+    gate = GATES["scaled_cosine"](d, E)
+    x = torch.randn(9, d)
+    want = torch.nn.functional.cosine_similarity(x[:, None, :], gate.weight[None, :, :], dim=-1)
+    torch.testing.assert_close(gate(x), want)
+    torch.testing.assert_close(gate(x * 1e3), want)
+    with torch.no_grad():
+        gate.weight.mul_(torch.arange(1, E + 1, dtype=torch.float32)[:, None])
+        gate.scale.fill_(4.0)
+    torch.testing.assert_close(gate(x), 4 * want)
+    assert gate(x).abs().max() <= 4.0 + 1e-5
