@@ -3,7 +3,8 @@
 As in test_expert_parallel.py: same model and global batch (one process uses --update-freq 2), no dropout,
 SGD; after a few updates the validation loss and every parameter agree within float rounding. Expert
 choice and soft routing mix the tokens of a batch (per rank, and per sentence for soft), so they run in
-the encoder only (decoders refuse them); each rank's batch is the one-process run's micro-batch.
+the encoder only (decoders refuse them); each rank's batch is the one-process run's micro-batch. The soft
+case uses Soft MoE's normalised router (a 0-d learned scale, all-reduced like any replicated parameter).
 """
 import os
 
@@ -27,7 +28,7 @@ SMOOTH = ("--activation-fn", "gelu")
     ("--moe-routing", "expert_choice", "--moe-capacity-factor", "1.0", *ENCODER_ONLY),
     ("--moe-routing", "dense"),
     ("--moe-routing", "hash", "--moe-top-k", "1"),
-    ("--moe-routing", "soft", "--moe-soft-slots", "2", *ENCODER_ONLY),
+    ("--moe-routing", "soft", "--moe-soft-slots", "2", "--moe-gate", "scaled_cosine", *ENCODER_ONLY),
 ], ids=["expert_choice", "dense", "hash", "soft"])
 def test_two_ranks_equal_one_process(data_bin, tmp_path, extra):
     many, one = tmp_path / "many", tmp_path / "one"
@@ -44,5 +45,5 @@ def test_two_ranks_equal_one_process(data_bin, tmp_path, extra):
     assert_same_params(b["model"], a["model"])
     experts = [key for key in b["model"] if key.endswith("moe.experts.w1")]
     assert experts and all(b["model"][key].shape[0] == 4 for key in experts)  # every expert, not rank 0's
-    gates = [key for key in b["model"] if ".moe.gate." in key]
+    gates = [key for key in b["model"] if key.endswith(".moe.gate.weight")]
     assert len(gates) == (0 if "hash" in extra else len(experts))  # (hash routing has no router)
