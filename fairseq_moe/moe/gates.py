@@ -4,6 +4,8 @@ Softmax, top-k, capacity and the losses live once in routing.py and losses.py, s
 compute them differently. A new gate is one class here plus one GATES entry; the contract tests in
 tests/moe/test_gates.py run every registered gate.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,21 +45,36 @@ class LinearGate(nn.Module):
 
 @register_gate("cosine")
 class CosineGate(nn.Module):
-    """logits = cos(x W_proj, e_i) / temperature: the X-MoE gate, stable when E is large."""
+    """logits = cos(x W_proj + b_proj, e_i) / t: the cosine router of X-MoE and Tutel, stable when E is large.
+    The temperature is learned, as log(1 / t), and clamped at t >= 0.01 (Tutel's CosineTopKGate: init
+    t = 0.5, a 256-d projection with a bias)."""
 
-    def __init__(self, model_dim, num_experts, fp32=True, proj_dim=256, temperature=0.07):
+    MIN_TEMPERATURE = 0.01
+    FIXED_TEMPERATURE = 0.07  # what checkpoints of fairseq-moe before the learned temperature were trained with
+
+    def __init__(self, model_dim, num_experts, fp32=True, proj_dim=256, temperature=0.5):
         super().__init__()
         self.fp32 = fp32
-        self.temperature = temperature
-        self.proj = nn.Linear(model_dim, proj_dim, bias=False)
+        self.proj = nn.Linear(model_dim, proj_dim)
         # weight [E, proj_dim]: one learned direction per expert.
         self.weight = nn.Parameter(torch.empty(num_experts, proj_dim, dtype=torch.float32))
         nn.init.orthogonal_(self.weight, gain=0.32)
+        self.log_inv_temperature = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
+        self.register_load_state_dict_pre_hook(_fixed_temperature_if_missing)
 
     def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
         dtype = torch.float32 if self.fp32 else x.dtype
-        h = F.normalize(F.linear(x.to(dtype), self.proj.weight.to(dtype)).float(), dim=-1)
-        return F.linear(h, F.normalize(self.weight.float(), dim=-1)) / self.temperature
+        h = F.normalize(F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype)).float(), dim=-1)
+        scale = self.log_inv_temperature.float().clamp(max=math.log(1.0 / self.MIN_TEMPERATURE)).exp()
+        return F.linear(h, F.normalize(self.weight.float(), dim=-1)) * scale
+
+
+def _fixed_temperature_if_missing(module, state_dict, prefix, *args):
+    """A cosine gate saved before the temperature was learned (and before the projection had a bias) loads
+    as the gate it was: t = 0.07, no bias."""
+    if prefix + "weight" in state_dict and prefix + "log_inv_temperature" not in state_dict:
+        state_dict[prefix + "log_inv_temperature"] = torch.tensor(math.log(1.0 / module.FIXED_TEMPERATURE))
+        state_dict.setdefault(prefix + "proj.bias", torch.zeros_like(module.proj.bias))
 
 
 @register_gate("scaled_cosine")

@@ -71,3 +71,31 @@ def test_scaled_cosine_is_soft_moes_normalised_router():
         gate.scale.fill_(4.0)
     torch.testing.assert_close(gate(x), 4 * want)
     assert gate(x).abs().max() <= 4.0 + 1e-5
+
+
+def test_cosine_gate_learns_a_clamped_temperature():
+    """Tutel's cosine router: cos(x W + b, e_i) * exp(log_inv_temperature), the scale clamped at 1 / 0.01."""
+    torch.manual_seed(0)
+    gate = GATES["cosine"](d, E)
+    x = torch.randn(9, d)
+    h = gate.proj(x)
+    cos = torch.nn.functional.cosine_similarity(h[:, None, :], gate.weight[None, :, :], dim=-1)
+    torch.testing.assert_close(gate(x), cos / 0.5)  # init t = 0.5
+    with torch.no_grad():
+        gate.log_inv_temperature.fill_(10.0)  # t = e^-10 asked for: clamped at 0.01
+    logits = gate(x)
+    torch.testing.assert_close(logits, cos / 0.01)
+    logits.sum().backward()
+    assert gate.log_inv_temperature.grad == 0  # (beyond the clamp, like Tutel's)
+
+
+def test_cosine_gate_checkpoint_from_before_the_learned_temperature():
+    """A gate saved with the fixed t = 0.07 and no projection bias computes what it computed then."""
+    torch.manual_seed(0)
+    gate = GATES["cosine"](d, E)
+    old = {"proj.weight": gate.proj.weight.detach().clone(), "weight": gate.weight.detach().clone()}
+    gate.load_state_dict(old)
+    x = torch.randn(5, d)
+    want = torch.nn.functional.cosine_similarity(
+        torch.nn.functional.linear(x, old["proj.weight"])[:, None, :], old["weight"][None, :, :], dim=-1) / 0.07
+    torch.testing.assert_close(gate(x), want)
