@@ -95,6 +95,10 @@ def add_moe_args(parser, encoder=True):
         help="at capacity, tokens in a random order in training (DeepSpeed's RTS)")
     add("--moe-score", choices=("softmax", "sigmoid"),
         help=f"topk: the router's scores, softmax over the experts or sigmoid per expert (default {D.score})")
+    add("--moe-top1-weight", choices=("prob", "one"),
+        help="topk with k = 1: scale the expert's output by its router probability (prob, Switch) or not (one: "
+             "the weight renormalised over the one choice, as for k >= 2; the router then learns from the "
+             f"balance and z losses only) (default {D.top1_weight})")
     add("--moe-bias-update-rate", type=float, metavar="G",
         help="topk: > 0 adds DeepSeek-V3's aux-loss-free balancing bias to the scores for choosing, moved by G "
              "toward balance after every update from the load of all ranks (checkpointed) (default 0: none)")

@@ -24,7 +24,7 @@ FLAGS = {"model_dim": "--encoder-embed-dim/--decoder-embed-dim", "ffn_dim": "--m
          "expert_grad_normalization": "--moe-normalize-expert-grad", "score": "--moe-score",
          "bias_update_rate": "--moe-bias-update-rate", "expert_groups": "--moe-expert-groups",
          "topk_groups": "--moe-topk-groups", "shared_experts": "--moe-shared-expert-count",
-         "soft_slots": "--moe-soft-slots"}
+         "soft_slots": "--moe-soft-slots", "top1_weight": "--moe-top1-weight"}
 SECOND_EXPERT_POLICIES = ("all", "sampling", "random")
 EXPERT_GRAD_NORMALIZATIONS = ("world_size", "sqrt_world_size")
 
@@ -74,6 +74,10 @@ class MoEConfig:
     expert_grad_normalization: str = "world_size"
     # Top-k routing's scores: softmax over the experts, or sigmoid per expert (DeepSeek-V3).
     score: str = "softmax"
+    # With k = 1, the chosen expert's output is scaled by its router probability ("prob": Switch, the router
+    # learns through the output) or taken as it is ("one": the weights renormalised over the one choice, as
+    # for k >= 2; Mixtral/Megatron's softmax over the chosen; an upcycled model then starts exactly dense).
+    top1_weight: str = "prob"
     # > 0: the aux-loss-free balancing bias (DeepSeek-V3): a per-expert bias added to the scores for
     # choosing only, moved by this much toward balance after every optimizer step (update_routing_bias).
     bias_update_rate: float = 0.0
@@ -152,6 +156,8 @@ class MoEConfig:
             bad("soft_slots", f"applies to --moe-routing soft (here {self.routing})")
         if self.score not in ("softmax", "sigmoid"):
             bad("score", "must be softmax or sigmoid")
+        if self.top1_weight not in ("prob", "one"):
+            bad("top1_weight", "must be prob or one")
         if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
             bad("bias_update_rate", "must be >= 0 (0: no balancing bias)")
         if not isinstance(self.expert_groups, int) or self.expert_groups < 1 or self.num_experts % self.expert_groups:
@@ -165,7 +171,8 @@ class MoEConfig:
         if self.topk_groups is not None and k_most > self.topk_groups * (self.num_experts // self.expert_groups):
             bad("topk_groups", f"leaves fewer than --moe-top-k/--moe-eval-top-k {k_most} experts to choose from "
                                f"({self.topk_groups} groups of {self.num_experts // self.expert_groups})")
-        for name, off in (("score", "softmax"), ("bias_update_rate", 0.0), ("topk_groups", None)):
+        for name, off in (("score", "softmax"), ("bias_update_rate", 0.0), ("topk_groups", None),
+                          ("top1_weight", "prob")):
             if getattr(self, name) != off and self.routing != "topk":
                 bad(name, f"applies to --moe-routing topk (here {self.routing})")
         if self.second_expert_policy == "sampling" and (self.score != "softmax" or self.bias_update_rate

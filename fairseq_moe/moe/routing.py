@@ -68,7 +68,8 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
 
     Priority: every token's first choice comes before any token's second choice, and so on;
     inside one choice rank, earlier tokens first (or as the options say). Weights: for k = 1 the raw
-    router probability (Switch: the router learns through the output); for k >= 2 the probabilities
+    router probability (Switch: the router learns through the output), or 1 with top1_weight "one"; for
+    k >= 2 the probabilities
     renormalised over the choices that were kept (fairseq's moe branch).
     """
     T, E = logits.shape
@@ -127,7 +128,8 @@ def route(logits, top_k, capacity=None, router=None, options=None, training=Fals
     if perm is not None:
         kept_tk = torch.empty_like(kept_tk).index_copy_(0, perm, kept_tk)  # rows in token order
     if top_k == 1:
-        weights = top_probs
+        one = getattr(options, "top1_weight", "prob") == "one"
+        weights = torch.ones_like(top_probs) if one else top_probs
     elif before:
         weights = top_probs * kept_tk / top_probs.sum(-1, keepdim=True).clamp(min=torch.finfo(top_probs.dtype).eps)
     else:

@@ -117,7 +117,22 @@ def test_random_token_selection():
     (dict(batch_prioritized_routing=True, random_token_selection=True), "--moe-random-token-selection"),
     (dict(random_token_selection=True, routing="expert_choice"), "--moe-random-token-selection"),
     (dict(expert_grad_normalization="cube_root"), "--moe-normalize-expert-grad"),
+    (dict(top1_weight="half"), "--moe-top1-weight"),
+    (dict(top1_weight="one", routing="dense"), "--moe-top1-weight"),
 ])
 def test_options_name_their_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         dataclasses.replace(BASE, **overrides).validate()
+
+
+@pytest.mark.parametrize("capacity", [3, None])
+def test_top1_weight_one(capacity):
+    """k = 1 with top1_weight "one": the same choices and drops as Switch's, every kept row weighted 1."""
+    logits = logits_for(5)
+    prob = route(logits, 1, capacity, options=opts(top_k=1))
+    one = route(logits, 1, capacity, options=opts(top_k=1, top1_weight="one"))
+    assert one.token_index.tolist() == prob.token_index.tolist() and one.counts.tolist() == prob.counts.tolist()
+    assert prob.weights.lt(1).all() and one.weights.eq(1).all()
+    # At k >= 2 the weights are renormalised over the kept choices anyway: the option changes nothing.
+    two = [route(logits, 2, capacity, options=opts(top1_weight=w)) for w in ("prob", "one")]
+    torch.testing.assert_close(two[0].weights, two[1].weights)
