@@ -68,7 +68,7 @@ def _publish(tmp, path):
         os.rename(tmp, path)
 
 
-class _Writer:
+class Writer:
     """Writes each output whole (in a fresh private folder beside it, then linked to its name), never over
     anything, and can take back what it published."""
 
@@ -122,27 +122,21 @@ def _make_folder(folder):
     return created
 
 
-def reshard(src, out, world_size):
-    if not out.endswith(".pt"):
-        raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
-    if world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    base = shards.set_base(out)
-    outputs = [out] if world_size == 1 else [shards.rank_path(base, r) for r in range(world_size)] + [
-        shards.shared_path(base)]
-    existing = [p for p in outputs if os.path.lexists(p)]
+def refuse_existing(paths):
+    """Raise FileExistsError for the first of paths that exists (a dangling link too): nothing is overwritten."""
+    existing = [p for p in paths if os.path.lexists(p)]
     if existing:
         what = " (a symbolic link)" if os.path.islink(existing[0]) else ""
         raise FileExistsError(f"{existing[0]} exists{what}; choose another OUT (nothing is overwritten)")
-    state = read_any(src)
-    experts = _check_state(state, src)
-    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
-    for E in set(experts.values()):
-        expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
+
+
+def write_new(out, write):
+    """write(save) with save(obj, path) writing one new file beside out each: whole files or none. On any
+    failure the files written so far and the folders made for them are removed again."""
     created = _make_folder(os.path.dirname(os.path.abspath(out)))
-    writer = _Writer()
+    writer = Writer()
     try:
-        return shards.write(state, out, world_size, save=writer.save)
+        return write(writer.save)
     except BaseException as e:
         removed = writer.undo()
         writer.close()
@@ -151,14 +145,30 @@ def reshard(src, out, world_size):
                 os.rmdir(folder)  # only when empty
         if removed and isinstance(e, (ValueError, OSError)):
             kind = next(k for k in (FileExistsError, OSError, ValueError) if isinstance(e, k))
-            raise kind(f"{_one_line(e)}; removed the {len(removed)} file(s) this command had written "
+            raise kind(f"{one_line(e)}; removed the {len(removed)} file(s) this command had written "
                        f"({', '.join(removed)})") from e
         raise
     finally:
         writer.close()
 
 
-def _one_line(e):
+def reshard(src, out, world_size):
+    if not out.endswith(".pt"):
+        raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    base = shards.set_base(out)
+    refuse_existing([out] if world_size == 1 else [shards.rank_path(base, r) for r in range(world_size)] + [
+        shards.shared_path(base)])
+    state = read_any(src)
+    experts = _check_state(state, src)
+    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
+    for E in set(experts.values()):
+        expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
+    return write_new(out, lambda save: shards.write(state, out, world_size, save=save))
+
+
+def one_line(e):
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         msg = f"{e.filename}: {e.strerror}"
     else:
@@ -177,7 +187,7 @@ def main(argv=None, prog="python -m fairseq_moe.reshard", world_size=None):
     try:
         written = reshard(args.input, args.output, world_size or args.world_size)
     except (ValueError, OSError, pickle.UnpicklingError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     for path in written:
         print(path)
