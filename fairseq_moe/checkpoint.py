@@ -363,21 +363,46 @@ class LoadForRank:
     that call): this rank's state of what was resolved, its experts only, the data position rescaled
     to this world size."""
 
-    def __init__(self, trainer, found, reset_dataloader):
-        self.found, self.reset_dataloader = found, reset_dataloader
+    def __init__(self, trainer, found, reset_dataloader, reset_optimizer):
+        self.found, self.reset_dataloader, self.reset_optimizer = found, reset_dataloader, reset_optimizer
         self.spread = run_state(trainer).spread
         self.world_size = trainer.data_parallel_world_size
         self.experts = {n: E for n, (_, _, E) in expert_params(trainer.get_model()).items()}
+        self.embeddings = {n: tuple(p.shape) for n, p in trainer.get_model().named_parameters(remove_duplicate=False)
+                           if n.endswith("embed_tokens.weight")}
 
     def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
         ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
         state = load_found(self.found, arg_overrides, want=ranges, experts=self.experts)
+        check_fits(state, self.embeddings, self.reset_optimizer, path)
         if self.spread:
             with shards.laid_out(path):
                 state = shards.cut_for_rank(state, self.spread)
         if not self.reset_dataloader:
             state = shards.rescale_iterator(state, self.world_size, path)
         return state
+
+
+def check_fits(state, embeddings, reset_optimizer, path):
+    """Before fairseq loads a state into the trainer: refuse, naming the cause, a checkpoint of another task
+    or dictionary (fairseq would stop at a size mismatch deep in load_state_dict) and an upcycled one resumed
+    as if it had an optimizer state."""
+    model = state.get("model", {})
+    saved = {n: tuple(t.shape) for n, t in model.items() if n.endswith("embed_tokens.weight")}
+    if set(saved) != set(embeddings):
+        kinds = {True: "a translation model (encoder + decoder)", False: "a language model (decoder only)"}
+        raise CheckpointError(f"{path} holds {kinds[any(n.startswith('encoder.') for n in saved)]}; this task "
+                              f"trains {kinds[any(n.startswith('encoder.') for n in embeddings)]}")
+    for name, shape in saved.items():
+        if shape != embeddings[name]:
+            side = name.split(".", 1)[0]
+            raise CheckpointError(f"{path}: its {side} dictionary has {shape[0]} symbols, this task's has "
+                                  f"{embeddings[name][0]}: train with the data (and dict.*.txt) the checkpoint "
+                                  f"was trained on")
+    upcycled = (state.get("extra_state") or {}).get("upcycled_from")
+    if upcycled and not reset_optimizer:
+        raise CheckpointError(f"{path} was upcycled from the dense {upcycled.get('checkpoint')} and has no "
+                              f"optimizer state: train from it with --finetune-from-model {path}")
 
 
 def trainer_load_checkpoint(self, filename, *args, **kwargs):
@@ -396,7 +421,9 @@ def trainer_load_checkpoint(self, filename, *args, **kwargs):
     ckpt = self.cfg.checkpoint
     path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # fairseq checks it exists
     # With spread experts every rank reads its own (fairseq would broadcast rank 0's to all).
-    with patches.scoped(importlib.import_module(_CKPT), "load_checkpoint_to_cpu", LoadForRank(self, found, reset)), \
+    reset_optimizer = args[0] if args else kwargs.get("reset_optimizer", False)  # (fairseq passes it first)
+    with patches.scoped(importlib.import_module(_CKPT), "load_checkpoint_to_cpu",
+                        LoadForRank(self, found, reset, reset_optimizer)), \
             overridden(ckpt, "load_checkpoint_on_all_dp_ranks", bool(run.spread) or ckpt.load_checkpoint_on_all_dp_ranks):
         return fairseq_load(self, path, *args, **kwargs)
 

@@ -320,11 +320,19 @@ def moe_base_architecture(args):
 
 
 def moe_arch(model, name, dense_arch, **defaults):
-    """Register arch `name` of `model`: the dense arch's settings, then `defaults`, then the MoE ones."""
+    """Register arch `name` of `model`: the dense arch's settings, then `defaults`, then the MoE ones.
+
+    What args already state (the flags typed: fairseq suppresses the others; or a saved config) wins over
+    what a dense arch forces: base_lm_architecture sets decoder_normalize_before = True whatever it was, so
+    an upcycled post-norm transformer_lm would otherwise load as another model."""
     def arch(args):
+        # (a Namespace from the command line or a checkpoint; hydra's DictConfig is left to the archs)
+        stated = {k: v for k, v in vars(args).items() if v is not None} if isinstance(args, Namespace) else {}
         for key, value in defaults.items():
             setattr(args, key, getattr(args, key, value))
         dense_arch(args)
+        for key, value in stated.items():
+            setattr(args, key, value)
         moe_base_architecture(args)
     return register_model_architecture(model, name)(arch)
 

@@ -1,0 +1,209 @@
+"""Sparse upcycling (Komatsuzaki et al. 2022): an MoE checkpoint made from a trained dense one.
+
+    python -m fairseq_moe.upcycle dense/checkpoint_best.pt moe/upcycled.pt --experts 8
+    fairseq-train DATA --user-dir fairseq_moe --task moe_translation --arch moe_transformer \\
+        --moe-expert-count 8 ... --finetune-from-model moe/upcycled.pt
+
+DENSE.pt is a checkpoint of fairseq's `transformer` (translation) or `transformer_lm` (language model),
+any of their archs. Every chosen FFN (layer i of a side is MoE when (i + 1) % freq == 0, freq being the
+side's --encoder/--decoder-moe-freq or else --moe-freq, as for training) becomes E experts, each a copy
+of it (with --noise S, each weight of each copy times 1 + S * N(0, 1)); the router is fresh (random, as
+a new linear gate starts) or zero; every other weight is the dense model's. With top-k >= 2, or top-1 and
+--top1-weight one, and no noise, the weights of a token's experts sum to one and the MoE model computes
+exactly what the dense one did (until its first update): OUT.pt generates (or evaluates) like DENSE.pt.
+
+OUT.pt is a moe_transformer / moe_transformer_lm checkpoint of the moe_translation / moe_language_modeling
+task, dropless at validation and generation (--moe-eval-capacity-token-fraction 0). It holds no optimizer
+state (Adam's moments of one FFN are not those of E experts): continue training with
+--finetune-from-model OUT.pt (one process or W ranks, each cutting out its experts), with the flags of the
+MoE model (the same --moe-expert-count, --moe-freq, and the dense model's sizes). The data and
+dictionaries must be the dense model's; a checkpoint of another dictionary or task is refused when loaded.
+OUT is never overwritten and is written whole or not at all.
+"""
+import argparse
+import math
+import os
+import re
+import sys
+from argparse import Namespace
+
+import torch
+
+from . import expert_checkpoint as shards
+from . import safe_eval
+from .checkpoint import register_safe_globals
+from .errors import CheckpointError, FlagError
+from .moe.config import ACTIVATIONS
+from .reshard import one_line, refuse_existing, write_new
+
+# dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
+MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
+TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
+CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
+_FFN = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<i>\d+)\.fc1\.weight$")
+
+
+def dense_model_name(arch):
+    """fairseq's model name of an arch ('transformer_iwslt_de_en' -> 'transformer'), or None."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_REGISTRY
+
+    return ARCH_MODEL_NAME_REGISTRY.get(arch) or (arch if arch in MODEL_REGISTRY else None)
+
+
+def chosen_layers(layers, side, moe_freq, side_freq):
+    """The indices of a side's layers that become MoE (the training rule of models/moe_transformer.py)."""
+    freq = side_freq or moe_freq
+    return [i for i in range(layers) if freq > 0 and (i + 1) % freq == 0]
+
+
+def _section(cfg, name, path):
+    value = cfg.get(name) if isinstance(cfg, dict) else None
+    if isinstance(value, Namespace):
+        return vars(value).copy()
+    if isinstance(value, dict):
+        return dict(value)
+    raise CheckpointError(f"{path}: its config has no {name} section: not a checkpoint of fairseq >= 0.10")
+
+
+def read_dense(path):
+    """(state, model config dict, dense model name, sides) of a dense fairseq checkpoint, checked."""
+    state = shards.read_file(path, what="the dense checkpoint to upcycle")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path} is not a fairseq checkpoint (no model state)")
+    safe_eval.check_config(state, path)
+    if state.get("cfg") is None:
+        raise CheckpointError(f"{path} was saved by fairseq < 0.10 (args, no cfg): load and save it once with "
+                              f"fairseq 0.12 (fairseq-train --restore-file ... --max-update of its own) first")
+    if any(".moe." in key for key in state["model"]):
+        raise CheckpointError(f"{path} already has MoE layers: upcycling starts from a dense checkpoint")
+    model = _section(state["cfg"], "model", path)
+    arch = model.get("_name") or model.get("arch")
+    name = dense_model_name(arch)
+    if name not in MODELS:
+        raise CheckpointError(f"{path} is a {arch!r} model ({name}); upcycling takes fairseq's transformer or "
+                              f"transformer_lm (any of their archs)")
+    task = _section(state["cfg"], "task", path).get("_name")
+    if task not in TASKS:
+        raise CheckpointError(f"{path} was trained with --task {task}; upcycling knows {', '.join(TASKS)} "
+                              f"(their MoE tasks: {', '.join(TASKS.values())})")
+    activation = model.get("activation_fn", "relu")
+    if activation not in ACTIVATIONS:
+        raise CheckpointError(f"{path} uses --activation-fn {activation}; an MoE layer has {', '.join(ACTIVATIONS)}")
+    return state, model, name, MODELS[name][1]
+
+
+def expert_copies(fc1_w, fc1_b, fc2_w, fc2_b, experts, noise=0.0, generator=None):
+    """E copies of fc2(act(fc1(x))) in the Experts layout: w1 [E, d, f], b1 [E, f], w2 [E, f, d], b2 [E, d]
+    (each weight times 1 + noise * N(0, 1), drawn per copy, when noise > 0)."""
+    out = {}
+    for name, t in (("w1", fc1_w.t()), ("b1", fc1_b), ("w2", fc2_w.t()), ("b2", fc2_b)):
+        copies = t.unsqueeze(0).repeat(experts, *([1] * t.dim())).contiguous()
+        if noise:
+            jitter = torch.randn(copies.shape, generator=generator, dtype=torch.float32)
+            copies = (copies.float() * (1 + noise * jitter)).to(t.dtype)
+        out[name] = copies
+    return out
+
+
+def router_weights(experts, model_dim, router, generator):
+    """[E, d] fp32: as a fresh linear gate starts (nn.Linear's init), or zeros (uniform routing)."""
+    weight = torch.zeros(experts, model_dim)
+    if router == "random":
+        bound = 1 / math.sqrt(model_dim)  # kaiming_uniform_(a=sqrt(5)), the gate's own init
+        weight.uniform_(-bound, bound, generator=generator)
+    return weight
+
+
+def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, top_k=2, top1_weight="prob",
+            router="random", noise=0.0, seed=1):
+    """Write OUT from DENSE (see the module's doc); returns {MoE layer: E}."""
+    if not out.endswith(".pt"):
+        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
+    if experts < 1 or top_k < 1 or top_k > experts:
+        raise FlagError(f"--experts {experts} and --top-k {top_k}: need 1 <= k <= E")
+    if min(moe_freq, encoder_moe_freq, decoder_moe_freq) < 0:
+        raise FlagError("--moe-freq, --encoder-moe-freq and --decoder-moe-freq must be >= 0")
+    if not (math.isfinite(noise) and noise >= 0):
+        raise FlagError(f"--noise {noise}: must be >= 0")
+    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    state, model_cfg, name, sides = read_dense(src)
+    if "encoder" not in sides and encoder_moe_freq:
+        raise FlagError(f"--encoder-moe-freq: {src} is a language model (decoder only)")
+    weights = dict(state["model"])
+    layers = {side: sorted({int(m["i"]) for m in map(_FFN.match, weights) if m and m["side"] == side})
+              for side in sides}
+    generator = torch.Generator().manual_seed(seed)
+    done = {}
+    for side in sides:
+        freq = {"encoder": encoder_moe_freq, "decoder": decoder_moe_freq}[side]
+        count = len(layers[side])
+        if layers[side] != list(range(count)):
+            raise CheckpointError(f"{src}: the FFNs of its {side} are layers {layers[side]}, not 0..{count - 1}")
+        for i in chosen_layers(count, side, moe_freq, freq):
+            p = f"{side}.layers.{i}."
+            try:
+                fc = [weights.pop(p + k) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+            except KeyError as e:
+                raise CheckpointError(f"{src}: layer {p[:-1]} has no {e.args[0]} (an FFN without biases?)") from None
+            for key, t in expert_copies(*fc, experts, noise, generator).items():
+                weights[f"{p}fc1.moe.experts.{key}"] = t
+            weights[f"{p}fc1.moe.gate.weight"] = router_weights(experts, fc[0].shape[1], router, generator)
+            done[f"{p}fc1"] = experts
+    if not done:
+        flags = ", ".join(f"--{s}-moe-freq" for s in sides)
+        raise FlagError(f"--moe-freq {moe_freq} ({flags}) chooses none of the FFN layers of {src} "
+                        f"({', '.join(f'{len(layers[s])} {s} layers' for s in sides)})")
+
+    moe_name = MODELS[name][0]
+    model_cfg.update(_name=moe_name, arch=moe_name, moe_expert_count=experts, moe_freq=moe_freq,
+                     decoder_moe_freq=decoder_moe_freq, moe_top_k=top_k, moe_top1_expert=False,
+                     moe_top1_weight=top1_weight, moe_gate="linear", moe_eval_capacity_token_fraction=0.0)
+    if "encoder" in sides:
+        model_cfg["encoder_moe_freq"] = encoder_moe_freq
+    cfg = dict(state["cfg"], model=Namespace(**model_cfg))  # (MoE models are argparse models in fairseq 0.12)
+    cfg["task"] = dict(_section(cfg, "task", src), _name=TASKS[_section(cfg, "task", src)["_name"]])
+    criterion = cfg.get("criterion")
+    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
+        cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
+    extra = dict(state.get("extra_state") or {})
+    extra["upcycled_from"] = {"checkpoint": os.path.abspath(src), "experts": experts, "layers": sorted(done),
+                              "router": router, "noise": noise, "seed": seed}
+    upcycled = dict(state, model=weights, cfg=cfg, extra_state=extra)
+    upcycled.pop("last_optimizer_state", None)  # (no optimizer state: --finetune-from-model starts a fresh one)
+    write_new(out, lambda save: save(upcycled, out))
+    return done
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_moe.upcycle", description=__doc__.split("\n\n")[0],
+                                epilog="See the module's documentation (python -m pydoc fairseq_moe.upcycle).")
+    p.add_argument("dense", help="checkpoint of a fairseq transformer or transformer_lm (DENSE.pt)")
+    p.add_argument("output", help="the MoE checkpoint to write (OUT.pt, never overwritten)")
+    p.add_argument("--experts", type=int, required=True, metavar="E", help="experts per MoE layer")
+    p.add_argument("--moe-freq", type=int, default=2, metavar="N", help="every N-th layer becomes MoE (default 2)")
+    p.add_argument("--encoder-moe-freq", type=int, default=0, metavar="N", help="the encoder's own N (0: --moe-freq)")
+    p.add_argument("--decoder-moe-freq", type=int, default=0, metavar="N", help="the decoder's own N (0: --moe-freq)")
+    p.add_argument("--top-k", type=int, default=2, metavar="K", help="experts per token (default 2)")
+    p.add_argument("--top1-weight", choices=("prob", "one"), default="prob",
+                   help="with --top-k 1: the expert's output times its router probability (prob) or as it is "
+                        "(one: the upcycled model then starts exactly dense)")
+    p.add_argument("--router", choices=("random", "zero"), default="random",
+                   help="the new routers: a fresh linear gate's init, or zeros (every expert equally likely)")
+    p.add_argument("--noise", type=float, default=0.0, metavar="S",
+                   help="multiply each weight of each expert copy by 1 + S * N(0, 1) (default 0: exact copies)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the router init and the noise")
+    a = p.parse_args(argv)
+    register_safe_globals()
+    try:
+        done = upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq, a.decoder_moe_freq, a.top_k,
+                       a.top1_weight, a.router, a.noise, a.seed)
+    except (ValueError, OSError) as e:
+        print(f"{p.prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no optimizer state: "
+          f"continue with fairseq-train ... --finetune-from-model {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
