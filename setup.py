@@ -24,6 +24,9 @@ setup(
         "sacrebleu>=2.0",
         "sentencepiece",
         "matplotlib",
+        # fairseq's --tensorboard-logdir writes through torch.utils.tensorboard (needs the tensorboard
+        # package) or, without it, tensorboardX: the small one.
+        "tensorboardX",
     ],
     extras_require={"test": ["pytest>=7", "pytest-xdist>=3"]},
 )
