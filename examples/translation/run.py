@@ -30,10 +30,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))  # sibling modules, whatever the working directory
+sys.path.insert(1, str(REPO_ROOT))  # this checkout's fairseq_moe (the --user-dir below), not an older install
 
 import corpus  # noqa: E402
 import pipeline  # noqa: E402
-from plot_expert_load import plot_expert_load  # noqa: E402
+from fairseq_moe.plot import plot_run  # noqa: E402
 
 PLUGIN_DIR = REPO_ROOT / "fairseq_moe"
 DENSE_FFN_DIM = 512  # ffn width of the dense baseline (and of moe_transformer_tiny)
@@ -216,14 +217,16 @@ def run(a):
 
 
 def plot_load(a, stats_file, png_file):
+    """fairseq_moe.plot's pictures of the MoE training (expert load, dropped, balance loss, loss) beside
+    png_file (expert_load.png); -> its path, or None without statistics."""
     if not (stats_file.exists() and stats_file.stat().st_size):
         print(f"\n| warning: no expert-load statistics in {stats_file} "
               f"(fewer than {a.log_interval} updates?); no plot")
         return None
-    png = plot_expert_load(stats_file, png_file,
-                           title=f"Expert load per MoE layer ({a.experts} experts, top-{a.top_k})")
-    print(f"\n| expert-load plot: {png}")
-    return png
+    drawn = plot_run(stats_file, stats_file.parent / "train.log", png_file.parent,
+                     title=f"({a.experts} experts, top-{a.top_k})")
+    print(f"\n| plots of the MoE training: {', '.join(str(png_file.parent / name) for name in drawn)}")
+    return png_file
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""Pictures of a training run: expert load per MoE layer, dropped fraction, balance loss and loss.
+
+    python -m fairseq_moe.plot RUN_DIR OUT_DIR [--stats FILE] [--log FILE]
+
+Reads the run's statistics file (fairseq-train --moe-stats-file: one JSON line per --moe-stats-interval
+updates with each MoE layer's share of the assignments per expert and its dropped fraction) and its
+training log (fairseq-train's output with --log-format simple or json, as --log-file writes it or as it was
+teed), and writes into OUT_DIR:
+
+    expert_load.png   per MoE layer, the share of assignments each expert got (stacked) over updates
+    dropped.png       per MoE layer, the fraction of assignments dropped at capacity over updates
+    balance_loss.png  the balance loss over updates (mean, and per layer with --moe-log-per-layer)
+    loss.png          training loss and validation loss over updates
+
+By default the statistics file is the one *.jsonl in RUN_DIR and the log RUN_DIR/train.log (or the one
+*.log). A picture whose data the run did not log is skipped, with a line saying so.
+"""
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+def read_stats(path):
+    """The records of a --moe-stats-file, in update order."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not a statistics line ({e})") from None
+    if any(not isinstance(r, dict) or "update" not in r or "layers" not in r for r in records):
+        raise ValueError(f"{path}: not a --moe-stats-file (a line without 'update' and 'layers')")
+    return sorted(records, key=lambda r: r["update"])
+
+
+def read_log(path):
+    """(train_inner rows, valid rows) of a fairseq-train log: dicts of the logged numbers, with num_updates."""
+    train, valid = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            tag = re.search(r"\| (train_inner|valid) \| (.*)$", line)
+            if tag is None:
+                continue
+            body = tag.group(2).strip()
+            if body.startswith("{"):  # --log-format json
+                try:
+                    row = {k: float(v) for k, v in json.loads(body).items() if _is_number(v)}
+                except json.JSONDecodeError:
+                    continue
+                row.setdefault("num_updates", row.get("update", math.nan))  # (json train_inner has no num_updates)
+            elif tag.group(1) == "train_inner":  # simple: "epoch 001:  50 / 603 loss=12.7, ..., num_updates=50"
+                row = {k: float(v) for k, v in re.findall(rf"(\w+)=({_NUMBER})\b", body)}
+            else:  # simple: "epoch 001 | valid on 'valid' subset | loss 9.1 | ... | num_updates 603"
+                row = {k: float(v) for k, v in re.findall(rf"\| (\w+) ({_NUMBER})(?= \||$)", " | " + body)}
+            if "num_updates" in row and not math.isnan(row["num_updates"]):
+                (train if tag.group(1) == "train_inner" else valid).append(row)
+    return train, valid
+
+
+def _is_number(v):
+    try:
+        float(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _layer_order(name):
+    """encoder before decoder, then by layer index, so that the grid reads top-down."""
+    return (0 if name.startswith("encoder") else 1), [int(t) for t in name.split(".") if t.isdigit()], name
+
+
+def _grid(plt, n, title):
+    cols = min(2, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.2 * rows), squeeze=False, sharex=True)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    return fig, list(axes.flat[:n])
+
+
+def _save(plt, fig, path, drawn):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    drawn[path.name] = [(ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes if ax.get_visible()]
+
+
+def plot_run(stats_file, log_file, out_dir, title=""):
+    """Write the PNGs (those whose data exists) into out_dir; returns {file name: [(title, x label, y label)
+    of each panel]} and prints a line per picture skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = {}
+    records = read_stats(stats_file) if stats_file else []
+    names = sorted({n for r in records for n in r["layers"]}, key=_layer_order)
+    if names:
+        fig, axes = _grid(plt, len(names), f"Expert load per MoE layer {title}".strip())
+        for ax, name in zip(axes, names):
+            rows = [(r["update"], r["layers"][name]) for r in records if name in r["layers"]]
+            updates = [u for u, _ in rows]
+            shares = list(zip(*[s for _, s in rows]))  # one series per expert
+            cmap = plt.get_cmap("tab10" if len(shares) <= 10 else "tab20")
+            ax.stackplot(updates, shares, colors=[cmap(e % cmap.N) for e in range(len(shares))],
+                         labels=[f"expert {e}" for e in range(len(shares))])
+            for k in range(1, len(shares)):  # where the boundaries of a perfect balance lie
+                ax.axhline(k / len(shares), color="white", lw=0.5, ls=":")
+            ax.set(title=name, xlabel="update", ylabel="share of assignments", ylim=(0, 1))
+        axes[0].legend(fontsize=7, ncol=4, loc="upper left")
+        _save(plt, fig, out_dir / "expert_load.png", drawn)
+
+        fig, axes = _grid(plt, 1, f"Dropped at capacity {title}".strip())
+        for name in names:
+            rows = [(r["update"], r["dropped"][name]) for r in records if name in r.get("dropped", {})]
+            axes[0].plot([u for u, _ in rows], [d for _, d in rows], label=name)
+        axes[0].set(title="per MoE layer", xlabel="update", ylabel="fraction of assignments dropped")
+        axes[0].legend(fontsize=7)
+        _save(plt, fig, out_dir / "dropped.png", drawn)
+    else:
+        print(f"| no expert statistics{f' in {stats_file}' if stats_file else ''}: expert_load.png and "
+              f"dropped.png skipped")
+
+    train, valid = read_log(log_file) if log_file else ([], [])
+    balance_keys = sorted({k for r in train for k in r if re.fullmatch(r"moe_(balance_loss|\w+\d+_balance)", k)},
+                          key=lambda k: (k != "moe_balance_loss", k))
+    if balance_keys:
+        fig, axes = _grid(plt, 1, f"Balance loss {title}".strip())
+        for key in balance_keys:
+            rows = [(r["num_updates"], r[key]) for r in train if key in r]
+            axes[0].plot([u for u, _ in rows], [v for _, v in rows], label=key, lw=2 if key == "moe_balance_loss" else 1)
+        axes[0].set(title="training (each logged interval)", xlabel="update", ylabel="balance loss (1 = balanced)")
+        axes[0].legend(fontsize=7)
+        _save(plt, fig, out_dir / "balance_loss.png", drawn)
+    if any("loss" in r for r in train + valid):
+        fig, axes = _grid(plt, 1, f"Loss {title}".strip())
+        for rows, label in ((train, "training"), (valid, "validation")):
+            points = [(r["num_updates"], r["loss"]) for r in rows if "loss" in r]
+            if points:
+                axes[0].plot(*zip(*points), label=label, marker="o" if label == "validation" else None)
+        axes[0].set(title="as fairseq logs it", xlabel="update", ylabel="loss (base 2)")
+        axes[0].legend()
+        _save(plt, fig, out_dir / "loss.png", drawn)
+    if not (balance_keys or train or valid):
+        print(f"| no training log lines{f' in {log_file}' if log_file else ''}: balance_loss.png and loss.png skipped")
+    return drawn
+
+
+def _one(run_dir, pattern, what, flag):
+    found = sorted(run_dir.glob(pattern))
+    if len(found) > 1:
+        raise ValueError(f"{run_dir} holds several {what} ({', '.join(p.name for p in found)}): name one with {flag}")
+    return found[0] if found else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_moe.plot", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="the run's folder (its statistics file and training log)")
+    p.add_argument("out_dir", type=Path, help="where the PNGs go")
+    p.add_argument("--stats", type=Path, help="the --moe-stats-file (default: the one *.jsonl in RUN_DIR)")
+    p.add_argument("--log", type=Path, help="the training log (default: RUN_DIR/train.log or the one *.log)")
+    p.add_argument("--title", default="", help="added to each picture's title")
+    a = p.parse_args(argv)
+    try:
+        if not a.run_dir.is_dir():
+            raise ValueError(f"RUN_DIR {a.run_dir}: no such folder")
+        stats = a.stats or _one(a.run_dir, "*.jsonl", "statistics files", "--stats")
+        log = a.log or (a.run_dir / "train.log" if (a.run_dir / "train.log").exists() else
+                        _one(a.run_dir, "*.log", "logs", "--log"))
+        for path, flag in ((a.stats, "--stats"), (a.log, "--log")):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        if stats is None and log is None:
+            raise ValueError(f"{a.run_dir} holds no statistics file (*.jsonl) and no training log (*.log)")
+        drawn = plot_run(stats, log, a.out_dir, a.title)
+    except (ValueError, OSError) as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    for name in drawn:
+        print(a.out_dir / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
