@@ -1,0 +1,49 @@
+"""python -m fairseq_moe.inspect: every token's experts and weights per MoE layer (the weights the layer
+used), a heat map per layer, the tokens each expert receives; the same from a single file and from the
+expert-parallel set it is resharded into."""
+import re
+
+import pytest
+
+from fairseq_moe import inspect, reshard
+
+
+def test_routing_of_every_token(trained_checkpoint, data_bin, tmp_path, capsys):
+    corpus = trained_checkpoint.parent  # (the toy corpus: raw text beside the data-bin)
+    src, tgt = (f"{data_bin}/../test.{side}" for side in ("src", "tgt"))
+    out = tmp_path / "single"
+    assert inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", src, "--target", tgt,
+                         "--out", str(out), "--show", "2"]) == 0
+    names = ["decoder.layers.1.fc1", "encoder.layers.1.fc1"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([f"heatmap-{n}.png" for n in names] + ["routing.txt"])
+    assert all((out / f"heatmap-{n}.png").stat().st_size > 3000 for n in names)
+    report = (out / "routing.txt").read_text()
+    first_src = open(src).readline().split()
+    block = report.split("sentence 1, encoder.layers.1.fc1:\n")[1].split("\n")[:len(first_src) + 1]
+    assert [row.split()[0] for row in block] == first_src + ["</s>"]  # every token, eos included
+    for row in block:  # top-2 at eval, dropless (tiny archs): two experts whose weights sum to 1
+        weights = [float(w) for w in re.findall(r"e\d:([\d.]+)", row)]
+        assert len(weights) == 2 and sum(weights) == pytest.approx(1, abs=0.011), row
+    assert "sentence 3," not in report and "over 20 sentences" in report
+    shares = [float(x) for x in re.findall(r"expert +\d+ +([\d.]+)%", report)]
+    assert len(shares) == 8 and sum(shares[:4]) == pytest.approx(100, abs=0.3)
+
+    # The same checkpoint resharded into a 2-rank set: the same report.
+    reshard.main([str(trained_checkpoint), str(tmp_path / "set" / "checkpoint.pt"), "--world-size", "2"])
+    out2 = tmp_path / "from-set"
+    inspect.main([str(tmp_path / "set" / "checkpoint.pt"), "--data", data_bin, "--input", src, "--target", tgt,
+                  "--out", str(out2), "--show", "2"])
+    assert (out2 / "routing.txt").read_text() == report
+
+
+def test_one_layer_and_bad_input(trained_checkpoint, data_bin, tmp_path, capsys):
+    src = f"{data_bin}/../test.src"
+    out = tmp_path / "one"
+    inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", src, "--layer", "0", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["heatmap-encoder.layers.1.fc1.png", "routing.txt"]
+    with pytest.raises(SystemExit) as e:
+        inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", src, "--layer", "7"])
+    assert e.value.code == 2 and "--layer 7: the MoE layers are 0 (encoder.layers.1.fc1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", str(tmp_path / "none.txt")])
+    assert "--input" in capsys.readouterr().err
