@@ -42,7 +42,9 @@ class Experts(nn.Module):
         a model built on W ranks starts from the very weights of the same model on one rank.
         """
         d, f = self.w1.shape[1], self.w1.shape[2]
-        base = int(torch.randint(0, 2**62, ()))
+        base = int(torch.randint(0, 2**62, (), device="cpu"))  # (the global CPU generator, also under a meta device)
+        if self.w1.is_meta:  # shapes only (torch.device("meta")): nothing to fill
+            return
         with torch.no_grad():
             for e in range(self.num_experts):
                 g = torch.Generator().manual_seed(base + self.first_expert + e)
