@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))  # sibling modules, whatever the working directory
 sys.path.insert(1, str(REPO_ROOT))  # this checkout's fairseq_moe (the --user-dir below), not an older install
+# ... for the tools run as children too (python -m fairseq_moe.upcycle)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 import corpus  # noqa: E402
 import pipeline  # noqa: E402
@@ -65,6 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--src-lang", default="en", help="source language code")
     p.add_argument("--tgt-lang", default="fr", help="target language code")
     p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
+    p.add_argument("--upcycle", action="store_true",
+                   help="add a third row: the dense model at --upcycle-at updates made MoE (python -m "
+                        "fairseq_moe.upcycle: --experts copies of its FFN, top-k) and trained for the rest of the budget")
+    p.add_argument("--upcycle-at", type=int, default=None, help="the dense update to upcycle (default: half the budget)")
     p.add_argument("--seed", type=int, default=1, help="training seed (both models)")
     a = p.parse_args(argv)
     validate(p, a)
@@ -96,6 +102,12 @@ def validate(parser, a):
         parser.error(f"--src-lang and --tgt-lang must differ (both are {a.src_lang!r})")
     if a.fp16 and a.device != "cuda":
         parser.error("--fp16 needs --device cuda")
+    if a.upcycle and a.skip_dense:
+        parser.error("--upcycle continues the dense model: it cannot go with --skip-dense")
+    if a.upcycle_at is None:
+        a.upcycle_at = a.max_update // 2
+    elif a.upcycle and not 0 < a.upcycle_at < a.max_update:
+        parser.error(f"--upcycle-at must be in (0, --max-update {a.max_update})")
     if a.device == "cuda":
         import torch
 
@@ -151,6 +163,34 @@ def run_model(a, name, train_cmd, gen_args, data_bin, spm_model, refs, model_dir
     return result
 
 
+def upcycled_row(a, data_bin, spm_model, refs, run_dir):
+    """The dense checkpoint at --upcycle-at made MoE (every 2nd layer, --experts copies of the dense FFN of 512,
+    top-k, fresh router) and trained for the remaining updates with --finetune-from-model. The schedule starts
+    afresh (the checkpoint has no optimizer state): a warm-up over a tenth of the remaining updates to the
+    learning rate the dense run had at --upcycle-at, then inverse-sqrt decay."""
+    found = sorted((run_dir / "dense").glob(f"checkpoint_*_{a.upcycle_at}.pt"))
+    if not found:
+        raise pipeline.StepError(f"the dense run kept no checkpoint at update {a.upcycle_at} in {run_dir / 'dense'}")
+    model_dir = run_dir / "upcycled"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    upcycled = model_dir / "upcycled.pt"
+    upcycled.unlink(missing_ok=True)
+    pipeline.run_logged([sys.executable, "-m", "fairseq_moe.upcycle", str(found[-1]), str(upcycled),
+                         "--experts", str(a.experts), "--top-k", str(a.top_k)], model_dir / "upcycle.log")
+    rest = argparse.Namespace(**vars(a))
+    rest.max_update = a.max_update - a.upcycle_at
+    rest.warmup_updates = max(1, rest.max_update // 10)
+    rest.expert_ffn_dim = DENSE_FFN_DIM  # (each expert a copy of the dense FFN)
+    w, n = a.warmup_updates, a.upcycle_at
+    rest.lr = a.lr * (w / n) ** 0.5 if n >= w else 1e-7 + (a.lr - 1e-7) * n / w  # (inverse_sqrt at update n)
+    stats_file = model_dir / "expert_load.jsonl"
+    stats_file.unlink(missing_ok=True)
+    cmd = pipeline.moe_train_cmd(rest, data_bin, model_dir, PLUGIN_DIR, stats_file) + [
+        "--finetune-from-model", str(upcycled)]
+    return run_model(a, "upcycled", cmd, ["--user-dir", str(PLUGIN_DIR), "--task", "moe_translation"],
+                     data_bin, spm_model, refs, model_dir)
+
+
 def print_table(results):
     header = ("model", "params", "BLEU", "chrF", "valid ppl", "train time")
     rows = [(name, f"{r['params']:,}", f"{r['bleu']:.2f}", f"{r['chrf']:.2f}",
@@ -195,9 +235,13 @@ def run(a):
         # The dense model is plain fairseq. The plugin is loaded for decoding
         # only because it allowlists the classes in fairseq 0.12 checkpoints
         # for torch.load(weights_only=True), the default since torch 2.6.
+        # With --upcycle the dense run also keeps its checkpoint at --upcycle-at (saving changes nothing of it).
+        keep = ["--save-interval-updates", str(a.upcycle_at)] if a.upcycle else []
         results["dense"] = run_model(
-            a, "dense", pipeline.dense_train_cmd(a, data_bin, run_dir / "dense"),
+            a, "dense", pipeline.dense_train_cmd(a, data_bin, run_dir / "dense") + keep,
             ["--user-dir", str(PLUGIN_DIR)], data_bin, spm_model, refs, run_dir / "dense")
+    if a.upcycle:
+        results["upcycled"] = upcycled_row(a, data_bin, spm_model, refs, run_dir)
 
     print_table(results)
     png = plot_load(a, stats_file, run_dir / "expert_load.png")
