@@ -399,10 +399,12 @@ def check_fits(state, embeddings, reset_optimizer, path):
             raise CheckpointError(f"{path}: its {side} dictionary has {shape[0]} symbols, this task's has "
                                   f"{embeddings[name][0]}: train with the data (and dict.*.txt) the checkpoint "
                                   f"was trained on")
-    upcycled = (state.get("extra_state") or {}).get("upcycled_from")
-    if upcycled and not reset_optimizer:
-        raise CheckpointError(f"{path} was upcycled from the dense {upcycled.get('checkpoint')} and has no "
-                              f"optimizer state: train from it with --finetune-from-model {path}")
+    extra = state.get("extra_state") or {}
+    origin = ("upcycled from the dense " + str(extra["upcycled_from"].get("checkpoint")) if "upcycled_from" in extra
+              else "converted from fairseq's moe branch" if "converted_from_moe_branch" in extra else None)
+    if origin and not reset_optimizer:
+        raise CheckpointError(f"{path} was {origin} and has no optimizer state: train from it with "
+                              f"--finetune-from-model {path}")
 
 
 def trainer_load_checkpoint(self, filename, *args, **kwargs):

@@ -1,0 +1,254 @@
+"""Checkpoints of fairseq's `moe` branch (and of the projects built on it) in: one fairseq-moe checkpoint.
+
+    python -m fairseq_moe.convert_moe_branch IN_PREFIX OUT.pt
+
+IN_PREFIX names a set written by the moe branch's trainer: IN_PREFIX-shared.pt (everything but the experts:
+embeddings, attention, layer norms, the gates `...moe_layer.gate.wg.weight`, the config) and
+IN_PREFIX-rank-R.pt, R = 0..n-1 (rank R's local experts `...moe_layer.experts.j.fc1/fc2`, j = 0..El-1, which
+are the global experts R * El + j; with more ranks than experts, rank R holds expert R mod E and the files of
+ranks E..n-1 are replicas). IN_PREFIX may also be given as one of those file names or as IN_PREFIX.pt.
+Layout and semantics as read from the moe branch's code (fairseq/modules/moe/, moe_checkpoint_utils.py,
+trainer.py): see docs/moe_branch.md.
+
+OUT.pt is a single moe_transformer / moe_transformer_lm checkpoint with every expert (it loads at any world
+size, fairseq-generate and fairseq-eval-lm read it with --user-dir fairseq_moe), its flags mapped: the MoE
+layers where they were (--encoder/--decoder-moe-freq), --moe-expert-count, top-1 or top-2, the second-expert
+policy, gate-probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, the eval
+capacity. The optimizer state is not converted (continue training with --finetune-from-model). What cannot
+be mapped is refused, naming the key: CMR layers, BASE layers, dense "pseudo-MoE" layers of another width,
+NLLB's expert-output masking (moe_eom, moe_fom), FSDP-sharded files, tasks other than translation and
+language modelling. Never overwrites; writes OUT whole or not at all.
+"""
+import argparse
+import os
+import re
+import sys
+from argparse import Namespace
+
+import torch
+
+from . import expert_checkpoint as shards
+from . import safe_eval
+from .checkpoint import register_safe_globals
+from .errors import CheckpointError, FlagError
+from .reshard import one_line, refuse_existing, write_new
+
+TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
+TASKS.update({v: v for v in TASKS.values()})
+CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
+CRITERIONS.update({v: v for v in CRITERIONS.values()})
+_EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."
+                     r"(?P<fc>fc1|fc2)\.(?P<kind>weight|bias)$")
+_GATE = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.gate\.wg\.weight$")
+_RANK = re.compile(r"-rank-(\d+)\.pt$")
+# cfg.model fields whose non-default value this converter cannot map (the moe branch / NLLB feature named)
+UNMAPPABLE = {"moe_cmr": "NLLB's CMR layers (a dense FFN beside the MoE, mixed by a learned sigmoid gate)",
+              "base_layers": "BASE layers (balanced assignment, extra layers)",
+              "alternate_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
+              "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
+              "moe_eom": "NLLB's expert-output masking (the MoE output scaled by 1 - p at inference)",
+              "moe_fom": "NLLB's final-output masking (the MoE output scaled by 1 - p at inference)"}
+
+
+def base_of(prefix):
+    """The set's base name from IN_PREFIX, IN_PREFIX.pt, -shared.pt or -rank-R.pt."""
+    return re.sub(r"(-shared|-rank-\d+)?\.pt$", "", prefix)
+
+
+def find_files(prefix):
+    """(shared file, [rank files in rank order]) of a moe-branch set; errors name the missing file."""
+    base = base_of(prefix)
+    shared = f"{base}-shared.pt"
+    if not os.path.exists(shared):
+        raise CheckpointError(f"{shared} is missing: the moe branch writes NAME-shared.pt beside NAME-rank-R.pt "
+                              f"(give IN_PREFIX as NAME)")
+    folder, name = os.path.split(base)
+    ranks = sorted((int(m.group(1)), os.path.join(folder, f)) for f in os.listdir(folder or ".")
+                   if f.startswith(name + "-rank-") and (m := _RANK.search(f)) and f == f"{name}-rank-{m.group(1)}.pt")
+    if not ranks:
+        raise CheckpointError(f"{base}-rank-0.pt is missing: a moe-branch set has one file per rank")
+    for expected, (rank, _) in enumerate(ranks):
+        if rank != expected:
+            raise CheckpointError(f"{base}-rank-{expected}.pt is missing (the set has rank files up to {ranks[-1][0]})")
+    return shared, [path for _, path in ranks]
+
+
+def _model_cfg(state, path):
+    cfg = state.get("cfg")
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    if model is None and isinstance(state.get("args"), Namespace):  # (fairseq < 0.10: args only)
+        model = state["args"]
+    if isinstance(model, Namespace):
+        return vars(model).copy()
+    if isinstance(model, dict):
+        return dict(model)
+    raise CheckpointError(f"{path}: no model config (cfg.model) to read the MoE settings from")
+
+
+def _read(path, what):
+    state = shards.read_file(path, what=what)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path} is not a fairseq checkpoint (no model state)")
+    if "shard_metadata" in state:
+        raise CheckpointError(f"{path} holds FSDP-sharded parameters (shard_metadata, --use-sharded-state): "
+                              f"consolidate the shards with fairseq's consolidate_fsdp_shards first")
+    safe_eval.check_config(state, path)
+    return state
+
+
+def expert_tensors(rank_files, E, shared_path):
+    """{MoE layer: {(fc, kind): [E tensors]}} from the rank files (global expert R * El + j)."""
+    per_rank = []
+    for path in rank_files:
+        model = _read(path, "a rank file of the set")["model"]
+        found = {}
+        for key, t in model.items():
+            m = _EXPERT.match(key)
+            if m is None:
+                raise CheckpointError(f"{path}: {key} is not an expert parameter of the moe branch's layout "
+                                      f"(LAYER.moe_layer.experts.J.fc1/fc2.weight/bias): cannot map it")
+            found.setdefault(m["layer"], {}).setdefault((m["fc"], m["kind"]), {})[int(m["j"])] = t
+        per_rank.append((path, found))
+    n = len(per_rank)
+    local = {len(js) for _, found in per_rank for parts in found.values() for js in parts.values()}
+    if len(local) != 1:
+        raise CheckpointError(f"{shared_path}: the rank files hold different numbers of experts per layer ({sorted(local)})")
+    El = local.pop()
+    if n * El == E:
+        owners = per_rank
+    elif El == 1 and n > E and n % E == 0:  # more ranks than experts: rank R serves expert R mod E
+        owners = per_rank[:E]
+        for (path, found), (first, original) in zip(per_rank[E:], per_rank[:E] * (n // E - 1)):
+            if any(not torch.equal(t, original[layer][part][j]) for layer, parts in found.items()
+                   for part, js in parts.items() for j, t in js.items()):
+                raise CheckpointError(f"{path} should be a replica of {first} (rank R holds expert R mod {E}), "
+                                      f"but its experts differ")
+    else:
+        raise CheckpointError(f"{shared_path}: {n} rank files of {El} experts each do not make the "
+                              f"moe_expert_count {E} of its config")
+    layers = {}
+    for r, (path, found) in enumerate(owners):
+        for layer, parts in found.items():
+            for part, js in parts.items():
+                if sorted(js) != list(range(El)):
+                    raise CheckpointError(f"{path}: {layer} has local experts {sorted(js)}, not 0..{El - 1}")
+                slots = layers.setdefault(layer, {}).setdefault(part, [None] * E)
+                for j, t in js.items():
+                    slots[r * El + j] = t
+    for layer, parts in layers.items():
+        if len(parts) != 4 or any(t is None for slots in parts.values() for t in slots):
+            raise CheckpointError(f"{shared_path}: {layer}'s experts are incomplete across the rank files "
+                                  f"(each needs fc1/fc2 weight and bias for all {E})")
+    return layers
+
+
+def layer_freq(indices, count, side):
+    """The --{side}-moe-freq that makes exactly `indices` (0-based) of `count` layers MoE, or an error."""
+    if not indices:
+        return 0
+    freq = indices[0] + 1
+    if indices != [i for i in range(count) if (i + 1) % freq == 0]:
+        raise CheckpointError(f"the MoE layers of the {side} are {indices} of {count}: not every N-th layer, "
+                              f"which --{side}-moe-freq cannot express")
+    return freq
+
+
+def convert(prefix, out):
+    """Write OUT from the moe-branch set at prefix; returns {MoE layer: E}."""
+    if not out.endswith(".pt"):
+        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
+    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    shared_path, rank_files = find_files(prefix)
+    state = _read(shared_path, "the shared file of the set")
+    cfg = _model_cfg(state, shared_path)
+    for key, what in UNMAPPABLE.items():
+        if cfg.get(key):
+            raise CheckpointError(f"{shared_path}: cfg.model.{key} = {cfg[key]!r} ({what}) has no counterpart in "
+                                  f"fairseq-moe: not converted")
+    E = cfg.get("moe_expert_count")
+    if not isinstance(E, int) or E < 1:
+        raise CheckpointError(f"{shared_path}: cfg.model.moe_expert_count = {E!r}: not an MoE checkpoint of the "
+                              f"moe branch")
+    experts = expert_tensors(rank_files, E, shared_path)
+    model = {}
+    gates = {}
+    for key, t in state["model"].items():
+        if (m := _GATE.match(key)) is not None:
+            gates[m["layer"]] = t
+        elif "moe_layer" in key or "expert" in key:
+            raise CheckpointError(f"{shared_path}: {key} is not part of the moe branch's MoE layer as this "
+                                  f"converter knows it (gate.wg.weight; experts in the rank files): not converted")
+        else:
+            model[key] = t
+    if set(gates) != set(experts):
+        raise CheckpointError(f"{shared_path}: gates for {sorted(gates)} but experts for {sorted(experts)}")
+    for layer, parts in experts.items():
+        fc1_w, fc1_b = torch.stack(parts["fc1", "weight"]), torch.stack(parts["fc1", "bias"])  # [E, F, D], [E, F]
+        fc2_w, fc2_b = torch.stack(parts["fc2", "weight"]), torch.stack(parts["fc2", "bias"])  # [E, D, F], [E, D]
+        if gates[layer].shape != (E, fc1_w.shape[2]):
+            raise CheckpointError(f"{shared_path}: {layer}.moe_layer.gate.wg.weight is {tuple(gates[layer].shape)}, "
+                                  f"not [{E}, {fc1_w.shape[2]}]")
+        p = f"{layer}.fc1.moe."
+        model.update({p + "gate.weight": gates[layer].float(), p + "experts.w1": fc1_w.transpose(1, 2).contiguous(),
+                      p + "experts.b1": fc1_b, p + "experts.w2": fc2_w.transpose(1, 2).contiguous(),
+                      p + "experts.b2": fc2_b})
+
+    sides = ("encoder", "decoder") if any(k.startswith("encoder.") for k in model) else ("decoder",)
+    freqs = {}
+    for side in sides:
+        count = len({int(m.group(1)) for k in model if (m := re.match(rf"{side}\.layers\.(\d+)\.", k))})
+        freqs[side] = layer_freq(sorted(int(layer.split(".")[2]) for layer in experts if layer.startswith(side)),
+                                 count, side)
+    top1 = bool(cfg.get("moe_top1_expert"))
+    fraction = cfg.get("moe_eval_capacity_token_fraction", 0.25)
+    name = "moe_transformer" if "encoder" in sides else "moe_transformer_lm"
+    cfg.update(_name=name, arch=name, moe_expert_count=E, moe_freq=0, decoder_moe_freq=freqs["decoder"],
+               moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing="topk",
+               moe_expert_ffn_dim=None,  # (the moe branch ignores it: an expert is as wide as its side's FFN)
+               moe_capacity_factor=1.0,  # (training capacity: the moe branch's ceil(k * T / E), up to rounding)
+               # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity
+               moe_eval_capacity_token_fraction=fraction if isinstance(fraction, (int, float)) and fraction > 0 else -1.0,
+               moe_second_expert_policy=cfg.get("moe_second_expert_policy", "sampling") if not top1 else "all",
+               moe_normalize_gate_prob_before_dropping=bool(cfg.get("moe_normalize_gate_prob_before_dropping"))
+               and not top1)
+    if "encoder" in sides:
+        cfg["encoder_moe_freq"] = freqs["encoder"]
+    full = dict(state.get("cfg") or {})
+    full["model"] = Namespace(**cfg)
+    task = full.get("task")
+    task = vars(task).copy() if isinstance(task, Namespace) else dict(task or {})
+    if task.get("_name") not in TASKS:
+        raise CheckpointError(f"{shared_path}: cfg.task._name = {task.get('_name')!r}; fairseq-moe's MoE tasks are "
+                              f"{', '.join(sorted(set(TASKS.values())))} (from translation, language_modeling)")
+    full["task"] = dict(task, _name=TASKS[task["_name"]])
+    criterion = full.get("criterion")
+    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
+        full["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
+    extra = dict(state.get("extra_state") or {})
+    extra.pop("moe_checkpoint", None)
+    extra["converted_from_moe_branch"] = {"shared": os.path.abspath(shared_path), "rank_files": len(rank_files),
+                                          "experts": E}
+    converted = {k: v for k, v in state.items() if k not in ("last_optimizer_state", "args")}
+    converted.update(model=model, cfg=full, extra_state=extra, args=None)
+    write_new(out, lambda save: save(converted, out))
+    return {layer: E for layer in sorted(experts)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_moe.convert_moe_branch", description=__doc__.split("\n\n")[0])
+    p.add_argument("prefix", help="IN_PREFIX: the set NAME (NAME-shared.pt + NAME-rank-R.pt), or one of its files")
+    p.add_argument("output", help="OUT.pt (never overwritten)")
+    a = p.parse_args(argv)
+    register_safe_globals()
+    try:
+        done = convert(a.prefix, a.output)
+    except (ValueError, OSError) as e:
+        print(f"{p.prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(f"{a.output}: {len(done)} MoE layers of {next(iter(done.values()))} experts; no optimizer state "
+          f"(continue training with --finetune-from-model {a.output})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
