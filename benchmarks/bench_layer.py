@@ -131,6 +131,19 @@ def timed_step(forward, backward, model, x, grad_y):
     return (t1 - t0) * 1e3
 
 
+def interleaved(args, *steps):
+    """--warmup untimed then --reps timed steps of each (forward, backward, model, x, grad_y), interleaved
+    (a, b, a, b, ...); -> one list of ms per step."""
+    for _ in range(args.warmup):
+        for step in steps:
+            timed_step(*step)
+    times = [[] for _ in steps]
+    for _ in range(args.reps):
+        for ms, step in zip(times, steps):
+            ms.append(timed_step(*step))
+    return times
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory
 
@@ -380,13 +393,8 @@ def run_config(args, E, T):
         _, aux = layer(x)
     dropped = aux.dropped_fraction
 
-    for _ in range(args.warmup):
-        timed_step(moe_forward, moe_backward, layer, x, grad_y)
-        timed_step(dense_forward, dense_backward, dense, x, grad_y)
-    moe_ms, dense_ms = [], []
-    for _ in range(args.reps):
-        moe_ms.append(timed_step(moe_forward, moe_backward, layer, x, grad_y))
-        dense_ms.append(timed_step(dense_forward, dense_backward, dense, x, grad_y))
+    moe_ms, dense_ms = interleaved(args, (moe_forward, moe_backward, layer, x, grad_y),
+                                   (dense_forward, dense_backward, dense, x, grad_y))
 
     moe_saved, moe_malloc = saved_activation_bytes(moe_forward, layer, x)
     dense_saved, dense_malloc = saved_activation_bytes(dense_forward, dense, x)
@@ -486,13 +494,8 @@ def run_policy(args, name, E, T):
         baseline = DenseFFNs(d, f, E if kind == "dense" else k, "relu", "cpu", torch.float32).train()
         base_x, base_grad, base_forward = x.detach().reshape(-1, d).clone().requires_grad_(), grad_y.reshape(-1, d), \
             dense_forward
-    for _ in range(args.warmup):
-        timed_step(layer_forward, moe_backward, layer, x, grad_y)
-        timed_step(base_forward, dense_backward, baseline, base_x, base_grad)
-    layer_ms, base_ms = [], []
-    for _ in range(args.reps):
-        layer_ms.append(timed_step(layer_forward, moe_backward, layer, x, grad_y))
-        base_ms.append(timed_step(base_forward, dense_backward, baseline, base_x, base_grad))
+    layer_ms, base_ms = interleaved(args, (layer_forward, moe_backward, layer, x, grad_y),
+                                    (base_forward, dense_backward, baseline, base_x, base_grad))
     result.update(layer_ms=statistics.median(layer_ms), base_ms=statistics.median(base_ms),
                   layer_ms_all=layer_ms, base_ms_all=base_ms)
     if kind == "sparse":

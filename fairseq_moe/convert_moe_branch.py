@@ -29,9 +29,8 @@ import torch
 
 from . import expert_checkpoint as shards
 from . import safe_eval
-from .checkpoint import register_safe_globals
 from .errors import CheckpointError, FlagError
-from .reshard import one_line, refuse_existing, write_new
+from .reshard import refuse_existing, run_tool, write_new
 
 TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
 TASKS.update({v: v for v in TASKS.values()})
@@ -239,15 +238,9 @@ def main(argv=None):
     p.add_argument("prefix", help="IN_PREFIX: the set NAME (NAME-shared.pt + NAME-rank-R.pt), or one of its files")
     p.add_argument("output", help="OUT.pt (never overwritten)")
     a = p.parse_args(argv)
-    register_safe_globals()
-    try:
-        done = convert(a.prefix, a.output)
-    except (ValueError, OSError) as e:
-        print(f"{p.prog}: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(f"{a.output}: {len(done)} MoE layers of {next(iter(done.values()))} experts; no optimizer state "
-          f"(continue training with --finetune-from-model {a.output})")
-    return 0
+    return run_tool(p.prog, lambda: convert(a.prefix, a.output),
+                    lambda done: f"{a.output}: {len(done)} MoE layers of {next(iter(done.values()))} experts; no "
+                                 f"optimizer state (continue training with --finetune-from-model {a.output})")
 
 
 if __name__ == "__main__":

@@ -176,6 +176,19 @@ def one_line(e):
     return re.sub(r"\s*[\r\n]+\s*", " ", msg).strip()
 
 
+def run_tool(prog, work, report):
+    """A checkpoint tool's main: work() with the safe globals registered; bad input (ValueError, OSError) is
+    one `PROG: error:` line and exit code 2, else report(work's result) is printed and the code is 0."""
+    register_safe_globals()
+    try:
+        result = work()
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(report(result))
+    return 0
+
+
 def main(argv=None, prog="python -m fairseq_moe.reshard", world_size=None):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help="NAME.pt of a sharded set (or one of its files), or a single file")

@@ -31,10 +31,9 @@ import torch
 
 from . import expert_checkpoint as shards
 from . import safe_eval
-from .checkpoint import register_safe_globals
 from .errors import CheckpointError, FlagError
 from .moe.config import ACTIVATIONS
-from .reshard import one_line, refuse_existing, write_new
+from .reshard import refuse_existing, run_tool, write_new
 
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
@@ -193,16 +192,10 @@ def main(argv=None):
                    help="multiply each weight of each expert copy by 1 + S * N(0, 1) (default 0: exact copies)")
     p.add_argument("--seed", type=int, default=1, help="seed of the router init and the noise")
     a = p.parse_args(argv)
-    register_safe_globals()
-    try:
-        done = upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq, a.decoder_moe_freq, a.top_k,
-                       a.top1_weight, a.router, a.noise, a.seed)
-    except (ValueError, OSError) as e:
-        print(f"{p.prog}: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    print(f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no optimizer state: "
-          f"continue with fairseq-train ... --finetune-from-model {a.output}")
-    return 0
+    return run_tool(p.prog, lambda: upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq,
+                                            a.decoder_moe_freq, a.top_k, a.top1_weight, a.router, a.noise, a.seed),
+                    lambda done: f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no "
+                                 f"optimizer state: continue with fairseq-train ... --finetune-from-model {a.output}")
 
 
 if __name__ == "__main__":

@@ -39,19 +39,10 @@ moe_transformer_lm = moe_arch("moe_transformer_lm", "moe_transformer_lm", dense_
 moe_transformer_lm_gpt = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt", dense_lm.transformer_lm_gpt)
 moe_transformer_lm_gpt2_small = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt2_small",
                                          dense_lm.transformer_lm_gpt2_small)
-moe_transformer_lm_gpt2_medium = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt2_medium",
-                                          dense_lm.transformer_lm_gpt2_medium)
-moe_transformer_lm_gpt2_big = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt2_big",
-                                       dense_lm.transformer_lm_gpt2_big)
-# GPT-3's sizes (Brown et al. 2020, table 2.1), as fairseq's transformer_lm_gpt3_* (the dense sizes; the
-# experts multiply the FFN parameters, not the compute per token).
-moe_transformer_lm_gpt3_small = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt3_small",
-                                         dense_lm.transformer_lm_gpt3_small)
-moe_transformer_lm_gpt3_medium = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt3_medium",
-                                          dense_lm.transformer_lm_gpt3_medium)
-moe_transformer_lm_gpt3_large = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt3_large",
-                                         dense_lm.transformer_lm_gpt3_large)
-moe_transformer_lm_gpt3_xl = moe_arch("moe_transformer_lm", "moe_transformer_lm_gpt3_xl", dense_lm.transformer_lm_gpt3_xl)
+# GPU sizes: fairseq's GPT-2 medium and big, and GPT-3's sizes (Brown et al. 2020, table 2.1) as fairseq's
+# transformer_lm_gpt3_* (the dense sizes; the experts multiply the FFN parameters, not the compute per token).
+for _size in ("gpt2_medium", "gpt2_big", "gpt3_small", "gpt3_medium", "gpt3_large", "gpt3_xl"):
+    moe_arch("moe_transformer_lm", f"moe_transformer_lm_{_size}", getattr(dense_lm, f"transformer_lm_{_size}"))
 # For CPU runs: 4 layers, d=128, ffn 512, 4 heads; layers 2 and 4 are MoE with 4 experts (TINY: dropless at eval).
 moe_transformer_lm_tiny = moe_arch("moe_transformer_lm", "moe_transformer_lm_tiny", dense_lm.base_lm_architecture,
                                    **TINY, decoder_embed_dim=128, decoder_ffn_embed_dim=512, decoder_layers=4,
