@@ -25,12 +25,14 @@ def run(backend, cfg, x, mask, seed=0):
 @pytest.mark.parametrize("top_k, capacity_factor, routing", [
     (1, 0.0, "topk"), (2, 1.0, "topk"), pytest.param(4, 0.0, "topk", marks=pytest.mark.slow),
     (2, 0.5, "expert_choice"), (2, 0.0, "dense"), (2, 1.0, "batch_prioritized_routing"),
-    (2, 1.0, "second_expert_policy=sampling"), (2, 1.0, "score=sigmoid"), (1, 1.0, "hash"), (2, 0.0, "soft")])
+    (2, 1.0, "second_expert_policy=sampling"), (2, 1.0, "score=sigmoid"), (1, 1.0, "hash"), (2, 0.0, "soft"),
+    (1, 1.0, "top1_weight=one")])
 def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
     """Options of top-k routing skip the fused router; the rest of the Triton path stays."""
     option = {"batch_prioritized_routing": dict(batch_prioritized_routing=True),
               "second_expert_policy=sampling": dict(second_expert_policy="sampling"),
-              "score=sigmoid": dict(score="sigmoid")}.get(routing)  # (the fused router's sigmoid)
+              "score=sigmoid": dict(score="sigmoid"),  # (the fused router's sigmoid)
+              "top1_weight=one": dict(top1_weight="one")}.get(routing)
     cfg = dict(model_dim=20, ffn_dim=36, num_experts=5, top_k=top_k, capacity_factor=capacity_factor,
                activation="gelu", **(option or dict(routing=routing)))
     g = torch.Generator().manual_seed(1)
