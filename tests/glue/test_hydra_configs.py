@@ -59,7 +59,9 @@ def test_gpu_configs_load_and_build(request, config, data, d, f, layers):
 
     folder, name = config.split("/")
     hydra_init(name)  # (fairseq-hydra-train registers its schema under the config's name)
-    with initialize_config_dir(config_dir=str(CONFIGS / folder), version_base=None):
+    # version_base 1.1, as fairseq 0.12 runs hydra: a newer one would stay set for the whole process and
+    # break fairseq's hydra.experimental.initialize (in every later test of this worker)
+    with initialize_config_dir(config_dir=str(CONFIGS / folder), version_base="1.1"):
         cfg = compose(config_name=name, overrides=[f"task.data={request.getfixturevalue(data)}",
                                                    f"common.user_dir={USER_DIR}"]
                       + (["task.source_lang=src", "task.target_lang=tgt"] if folder == "translation" else []))
