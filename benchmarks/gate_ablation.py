@@ -10,7 +10,8 @@ of the training process, the CPU time being what other jobs on the same cores do
 router's last logged imbalance = max/mean tokens per expert) and writes it to RUN_DIR/gate_ablation.md and .json,
 again after every row. Every flag of run.py (--max-update, --experts, --device, ...) is taken as it is.
 Each row's result is kept in RUN_DIR/NAME/row.json; `--reuse` takes a row from there instead of training
-it again when it was measured with the same budget and flags (the table says when each row was measured).
+it again when it was measured with the same budget and flags (the table says when each row was measured;
+a change of the code in between is not detected: do not reuse rows across one that changes routing).
 """
 import argparse
 import json
@@ -80,8 +81,9 @@ def run(a, names, reuse=False):
     raw_dir, spm_model, data_bin, _ = quickstart.prepare_data(a)
     refs = (raw_dir / f"test.{a.tgt_lang}").read_text(encoding="utf-8").splitlines()
     run_dir = a.workdir / "runs" / raw_dir.parent.name / "gate_ablation"
-    budget = (f"{a.max_update} updates x {a.max_tokens} tokens, {a.experts} experts, top-{a.top_k}, lr {a.lr}, "
-              f"seed {a.seed}, {a.device}")
+    budget = (f"{a.max_update} updates x {a.max_tokens} tokens, {a.experts} experts of {a.expert_ffn_dim}, "
+              f"top-{a.top_k}, lr {a.lr}, warm-up {a.warmup_updates}, seed {a.seed}, {a.device}"
+              + (", fp16" if a.fp16 else ""))
     results = {}
     for name in names:
         flags, what = POLICIES[name]

@@ -368,13 +368,13 @@ class LoadForRank:
         self.spread = run_state(trainer).spread
         self.world_size = trainer.data_parallel_world_size
         self.experts = {n: E for n, (_, _, E) in expert_params(trainer.get_model()).items()}
-        self.embeddings = {n: tuple(p.shape) for n, p in trainer.get_model().named_parameters(remove_duplicate=False)
-                           if n.endswith("embed_tokens.weight")}
+        # (the model's state-dict names: what a checkpoint holds, also under wrappers that flatten parameters)
+        self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
 
     def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
         ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
         state = load_found(self.found, arg_overrides, want=ranges, experts=self.experts)
-        check_fits(state, self.embeddings, self.reset_optimizer, path)
+        check_fits(state, self.model_keys, self.reset_optimizer, path)
         if self.spread:
             with shards.laid_out(path):
                 state = shards.cut_for_rank(state, self.spread)
@@ -383,28 +383,37 @@ class LoadForRank:
         return state
 
 
-def check_fits(state, embeddings, reset_optimizer, path):
+def check_fits(state, model_keys, reset_optimizer, path):
     """Before fairseq loads a state into the trainer: refuse, naming the cause, a checkpoint of another task
-    or dictionary (fairseq would stop at a size mismatch deep in load_state_dict) and an upcycled one resumed
-    as if it had an optimizer state."""
+    or dictionary (fairseq would stop at a size mismatch deep in load_state_dict), an upcycled or converted
+    one resumed as if it had an optimizer state, and one whose cosine gates predate the learned temperature
+    resumed with its optimizer state (the load hook adds parameters the saved Adam state has no entry for).
+    model_keys: {state-dict name: shape} of the model it loads into."""
     model = state.get("model", {})
-    saved = {n: tuple(t.shape) for n, t in model.items() if n.endswith("embed_tokens.weight")}
-    if set(saved) != set(embeddings):
-        kinds = {True: "a translation model (encoder + decoder)", False: "a language model (decoder only)"}
-        raise CheckpointError(f"{path} holds {kinds[any(n.startswith('encoder.') for n in saved)]}; this task "
-                              f"trains {kinds[any(n.startswith('encoder.') for n in embeddings)]}")
-    for name, shape in saved.items():
-        if shape != embeddings[name]:
-            side = name.split(".", 1)[0]
-            raise CheckpointError(f"{path}: its {side} dictionary has {shape[0]} symbols, this task's has "
-                                  f"{embeddings[name][0]}: train with the data (and dict.*.txt) the checkpoint "
-                                  f"was trained on")
+    embed = lambda keys: {n: tuple(keys[n]) for n in keys if n.endswith("embed_tokens.weight")}  # noqa: E731
+    saved, mine = embed({n: t.shape for n, t in model.items()}), embed(model_keys)
+    if saved and mine:  # (both with token embeddings: not adaptive input, not a wrapper's flattened names)
+        encoder = lambda names: any(n.startswith("encoder.") for n in names)  # noqa: E731
+        if encoder(saved) != encoder(mine):
+            kinds = {True: "a translation model (encoder + decoder)", False: "a language model (decoder only)"}
+            raise CheckpointError(f"{path} holds {kinds[encoder(saved)]}; this task trains {kinds[encoder(mine)]}")
+        for name in set(saved) & set(mine):
+            if saved[name] != mine[name]:
+                raise CheckpointError(f"{path}: its {name.split('.', 1)[0]} dictionary has {saved[name][0]} symbols, "
+                                      f"this task's has {mine[name][0]}: train with the data (and dict.*.txt) the "
+                                      f"checkpoint was trained on")
     extra = state.get("extra_state") or {}
     origin = ("upcycled from the dense " + str(extra["upcycled_from"].get("checkpoint")) if "upcycled_from" in extra
               else "converted from fairseq's moe branch" if "converted_from_moe_branch" in extra else None)
     if origin and not reset_optimizer:
         raise CheckpointError(f"{path} was {origin} and has no optimizer state: train from it with "
                               f"--finetune-from-model {path}")
+    old_gates = [n for n in model_keys if n.endswith(".gate.log_inv_temperature") and n not in model
+                 and n.replace("log_inv_temperature", "weight") in model]
+    if old_gates and not reset_optimizer and state.get("last_optimizer_state") is not None:
+        raise CheckpointError(f"{path} has cosine gates without the learned temperature (saved before it, e.g. "
+                              f"{old_gates[0]}): they load as they were (t = 0.07), but its optimizer state has no "
+                              f"entry for the new parameters: resume with --reset-optimizer")
 
 
 def trainer_load_checkpoint(self, filename, *args, **kwargs):

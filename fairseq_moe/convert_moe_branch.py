@@ -75,8 +75,9 @@ def find_files(prefix):
 def _model_cfg(state, path):
     cfg = state.get("cfg")
     model = cfg.get("model") if isinstance(cfg, dict) else None
-    if model is None and isinstance(state.get("args"), Namespace):  # (fairseq < 0.10: args only)
-        model = state["args"]
+    if model is None and state.get("args") is not None:
+        raise CheckpointError(f"{path} was saved by fairseq < 0.10 (args, no cfg): load and save it once with the "
+                              f"moe branch's own fairseq (a newer one), then convert")
     if isinstance(model, Namespace):
         return vars(model).copy()
     if isinstance(model, dict):
@@ -118,7 +119,9 @@ def expert_tensors(rank_files, E, shared_path):
     elif El == 1 and n > E and n % E == 0:  # more ranks than experts: rank R serves expert R mod E
         owners = per_rank[:E]
         for (path, found), (first, original) in zip(per_rank[E:], per_rank[:E] * (n // E - 1)):
-            if any(not torch.equal(t, original[layer][part][j]) for layer, parts in found.items()
+            same = lambda layer, part, j, t: (layer in original and part in original[layer] and  # noqa: E731
+                                              j in original[layer][part] and torch.equal(t, original[layer][part][j]))
+            if any(not same(layer, part, j, t) for layer, parts in found.items()
                    for part, js in parts.items() for j, t in js.items()):
                 raise CheckpointError(f"{path} should be a replica of {first} (rank R holds expert R mod {E}), "
                                       f"but its experts differ")

@@ -95,7 +95,8 @@ def route_sentence(model, task, layers, src, tgt=None):
             if tgt is not None:
                 prev = torch.cat([tgt.new_tensor([task.target_dictionary.eos()]), tgt[:-1]])[None]
                 model.decoder(prev, encoder_out=encoder_out)
-        else:
+        else:  # a language model reads "</s> w1 .. wn" (fairseq's LM datasets shift the target right)
+            src = torch.cat([src.new_tensor([task.target_dictionary.eos()]), src[:-1]])
             model(src[None])
     out = {}
     for name, _ in layers:

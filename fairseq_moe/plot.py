@@ -51,10 +51,11 @@ def read_log(path):
             body = tag.group(2).strip()
             if body.startswith("{"):  # --log-format json
                 try:
-                    row = {k: float(v) for k, v in json.loads(body).items() if _is_number(v)}
+                    # (valid lines name their numbers valid_loss, valid_num_updates, ...)
+                    row = {re.sub(r"^valid_", "", k): float(v) for k, v in json.loads(body).items() if _is_number(v)}
                 except json.JSONDecodeError:
                     continue
-                row.setdefault("num_updates", row.get("update", math.nan))  # (json train_inner has no num_updates)
+                row.setdefault("num_updates", row.get("update", math.nan))
             elif tag.group(1) == "train_inner":  # simple: "epoch 001:  50 / 603 loss=12.7, ..., num_updates=50"
                 row = {k: float(v) for k, v in re.findall(rf"(\w+)=({_NUMBER})\b", body)}
             else:  # simple: "epoch 001 | valid on 'valid' subset | loss 9.1 | ... | num_updates 603"

@@ -85,6 +85,12 @@ def read_dense(path):
     if task not in TASKS:
         raise CheckpointError(f"{path} was trained with --task {task}; upcycling knows {', '.join(TASKS)} "
                               f"(their MoE tasks: {', '.join(TASKS.values())})")
+    if name == "transformer_lm" and not model.get("decoder_normalize_before"):
+        # fairseq's LM archs (and ours) force pre-norm (base_lm_architecture): the MoE model could generate
+        # like this one, but no fairseq-train command line could fine-tune it as the same model.
+        raise CheckpointError(f"{path} is a post-norm transformer_lm (plain --arch transformer_lm without "
+                              f"--decoder-normalize-before); fairseq's LM archs, and moe_transformer_lm, are "
+                              f"pre-norm: upcycle a pre-norm one (any named transformer_lm_* arch, or the flag)")
     activation = model.get("activation_fn", "relu")
     if activation not in ACTIVATIONS:
         raise CheckpointError(f"{path} uses --activation-fn {activation}; an MoE layer has {', '.join(ACTIVATIONS)}")
@@ -187,7 +193,9 @@ def main(argv=None):
                    help="with --top-k 1: the expert's output times its router probability (prob) or as it is "
                         "(one: the upcycled model then starts exactly dense)")
     p.add_argument("--router", choices=("random", "zero"), default="random",
-                   help="the new routers: a fresh linear gate's init, or zeros (every expert equally likely)")
+                   help="the new routers: a fresh linear gate's init, or zeros (equal probabilities: the ties "
+                        "send every token to the same k experts until the router learns; with a capacity limit "
+                        "most tokens are dropped at first, so prefer random unless fine-tuning is dropless)")
     p.add_argument("--noise", type=float, default=0.0, metavar="S",
                    help="multiply each weight of each expert copy by 1 + S * N(0, 1) (default 0: exact copies)")
     p.add_argument("--seed", type=int, default=1, help="seed of the router init and the noise")

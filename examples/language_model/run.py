@@ -15,7 +15,7 @@ End to end, it
      lr schedule, seed); CPU by default;
   5. scores the test books with fairseq-eval-lm (perplexity per BPE token, sentences scored on their own);
   6. prints a table (parameters, test and valid perplexity, training time) and writes results.json, a
-     loss-curve PNG of both models (loss.png) and the MoE run's pictures (fairseq_moe.plot).
+     loss-curve PNG of both models (loss_moe_vs_dense.png) and the MoE run's pictures (fairseq_moe.plot).
 
 The default budget (2,000 updates of 2,048 tokens per model) takes about 25 minutes on 2 CPU cores.
 """
@@ -260,7 +260,7 @@ def main(argv=None):
     for name, r in results.items():
         print(f"{name:8s} {r['params']:>10,d} {r['test_ppl']:>9.2f} {r.get('valid_ppl', float('nan')):>9.2f} "
               f"{pipeline_duration(r['train_seconds']):>12s} {pipeline_duration(r['train_cpu_seconds']):>11s}")
-    pictures = [str(loss_curves({n: run_dir / n / "train.log" for n in results}, run_dir / "loss.png"))]
+    pictures = [str(loss_curves({n: run_dir / n / "train.log" for n in results}, run_dir / "loss_moe_vs_dense.png"))]
     if stats.exists() and stats.stat().st_size:
         pictures += [str(run_dir / n) for n in plot_run(stats, run_dir / "moe" / "train.log", run_dir,
                                                          title=f"({a.experts} experts, top-{a.top_k})")]

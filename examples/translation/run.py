@@ -106,7 +106,7 @@ def validate(parser, a):
         parser.error("--upcycle continues the dense model: it cannot go with --skip-dense")
     if a.upcycle_at is None:
         a.upcycle_at = a.max_update // 2
-    elif a.upcycle and not 0 < a.upcycle_at < a.max_update:
+    if a.upcycle and not 0 < a.upcycle_at < a.max_update:
         parser.error(f"--upcycle-at must be in (0, --max-update {a.max_update})")
     if a.device == "cuda":
         import torch
@@ -170,7 +170,8 @@ def upcycled_row(a, data_bin, spm_model, refs, run_dir):
     learning rate the dense run had at --upcycle-at, then inverse-sqrt decay."""
     found = sorted((run_dir / "dense").glob(f"checkpoint_*_{a.upcycle_at}.pt"))
     if not found:
-        raise pipeline.StepError(f"the dense run kept no checkpoint at update {a.upcycle_at} in {run_dir / 'dense'}")
+        raise pipeline.StepError(f"the dense run kept no checkpoint at update {a.upcycle_at} in {run_dir / 'dense'} "
+                                 f"(fairseq saves none when that update ends an epoch): choose another --upcycle-at")
     model_dir = run_dir / "upcycled"
     model_dir.mkdir(parents=True, exist_ok=True)
     upcycled = model_dir / "upcycled.pt"

@@ -53,12 +53,14 @@ def test_log_reader_takes_simple_and_json_formats(tmp_path):
         "ppl 412.5 | num_updates 603\n"
         '2026-11-30 14:56:26 | INFO | train_inner | {"epoch": 2, "update": 1.5, "loss": "7.5", '
         '"moe_balance_loss": "1.01", "num_updates": "700"}\n'
+        '2026-11-30 14:56:30 | INFO | valid | {"epoch": 2, "valid_loss": "7.2", "valid_ppl": "147", '
+        '"valid_num_updates": "1206"}\n'
         "2026-11-30 14:56:27 | INFO | fairseq_cli.train | end of epoch 2\n")
     train, valid = plot.read_log(log)
     assert [(r["num_updates"], r["loss"], r["moe_balance_loss"]) for r in train] == [(50, 12.746, 1.3508),
                                                                                   (700, 7.5, 1.01)]
     assert train[0]["moe_encoder1_balance"] == 1.2
-    assert [(r["num_updates"], r["loss"], r["ppl"]) for r in valid] == [(603, 9.1, 412.5)]
+    assert [(r["num_updates"], r["loss"], r["ppl"]) for r in valid] == [(603, 9.1, 412.5), (1206, 7.2, 147)]
 
 
 def test_bad_input_is_one_line(run_dir, tmp_path, capsys):

@@ -37,10 +37,10 @@ def dense_mt(data_bin, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dense_lm(lm_data_bin, tmp_path_factory):
-    """checkpoint_last.pt of fairseq's plain `transformer_lm` (post-norm: its dataclass defaults), 3 updates."""
+    """checkpoint_last.pt of fairseq's plain `transformer_lm` made pre-norm (as its named archs), 3 updates."""
     folder = tmp_path_factory.mktemp("dense_lm")
     run_train(dense_argv(lm_train_argv(lm_data_bin, folder, "--max-update", "3", "--decoder-input-dim", "32",
-                                       "--decoder-output-dim", "32"),
+                                       "--decoder-output-dim", "32", "--decoder-normalize-before"),
                          "transformer_lm", "language_modeling", "cross_entropy"))
     return folder / "checkpoint_last.pt"
 
@@ -151,7 +151,34 @@ def test_refusals(dense_mt, dense_lm, lm_data_bin, tmp_path, capsys):
         torch.save(dict(state, cfg=cfg), bad)
         fails(bad, tmp_path / "x.pt", "--experts", "2", match=match)
 
+    # A post-norm LM (plain --arch transformer_lm): no fairseq-train command line could fine-tune it as such.
+    lm = torch.load(dense_lm, weights_only=True)
+    post = tmp_path / "post-norm.pt"
+    torch.save(dict(lm, cfg=dict(lm["cfg"], model={**lm["cfg"]["model"], "decoder_normalize_before": False})), post)
+    fails(post, tmp_path / "y.pt", "--experts", "2", match="post-norm transformer_lm")
+
     # Fine-tuning the translation checkpoint on language-model data: named, before any weight is loaded.
     from .helpers import run_train as train
     with pytest.raises(CheckpointError, match="holds a translation model .* trains a language model"):
         train(lm_train_argv(lm_data_bin, tmp_path / "lm", "--finetune-from-model", str(out), "--max-update", "1"))
+
+
+def test_check_fits_names_the_cause():
+    """checkpoint.check_fits, the check of every state fairseq-train loads: task, dictionary, a missing optimizer
+    state, and cosine gates from before the learned temperature; quiet where it cannot tell (no embed_tokens)."""
+    from fairseq_moe.checkpoint import check_fits
+
+    mt = {"encoder.embed_tokens.weight": (10, 4), "decoder.embed_tokens.weight": (10, 4)}
+    lm = {"decoder.embed_tokens.weight": (10, 4)}
+    state = lambda keys, **kw: dict(model={n: torch.zeros(s) for n, s in keys.items()}, **kw)  # noqa: E731
+    check_fits(state(mt), mt, False, "ok.pt")
+    check_fits(state(mt), {"decoder.embed_tokens.embeddings.0.weight": (10, 4)}, False, "adaptive.pt")
+    with pytest.raises(CheckpointError, match="holds a translation model .* trains a language model"):
+        check_fits(state(mt), lm, False, "mt.pt")
+    with pytest.raises(CheckpointError, match="its decoder dictionary has 12 symbols, this task's has 10"):
+        check_fits(state({"decoder.embed_tokens.weight": (12, 4)}), lm, False, "lm.pt")
+    gate = {"decoder.layers.1.fc1.moe.gate.weight": (4, 8)}
+    new = {**lm, **gate, "decoder.layers.1.fc1.moe.gate.log_inv_temperature": ()}
+    with pytest.raises(CheckpointError, match="without the learned temperature .* --reset-optimizer"):
+        check_fits(state({**lm, **gate}, last_optimizer_state={}), new, False, "old.pt")
+    check_fits(state({**lm, **gate}, last_optimizer_state={}), new, True, "old.pt")
