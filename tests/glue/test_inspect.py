@@ -47,3 +47,19 @@ def test_one_layer_and_bad_input(trained_checkpoint, data_bin, tmp_path, capsys)
     with pytest.raises(SystemExit):
         inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", str(tmp_path / "none.txt")])
     assert "--input" in capsys.readouterr().err
+
+
+def test_language_model_reads_eos_first(lm_data_bin, tmp_path):
+    """An LM's layers see '</s> w1 .. wn' (what fairseq's LM datasets feed it), each token with its k experts."""
+    from .helpers import lm_train_argv, run_train
+
+    run_train(lm_train_argv(lm_data_bin, tmp_path / "lm", "--max-update", "1", "--moe-expert-count", "4"))
+    text = f"{lm_data_bin}/../test.txt"
+    out = tmp_path / "out"
+    inspect.main([str(tmp_path / "lm" / "checkpoint_last.pt"), "--data", lm_data_bin, "--input", text,
+                  "--out", str(out), "--show", "1"])
+    words = open(text).readline().split()
+    report = (out / "routing.txt").read_text()
+    block = report.split("sentence 1, decoder.layers.1.fc1:\n")[1].split("\n")[:len(words) + 1]
+    assert [row.split()[0] for row in block] == ["</s>"] + words
+    assert all(len(re.findall(r"e\d:", row)) == 2 for row in block)
