@@ -189,7 +189,8 @@ def dense_cmd(a, data_bin, save_dir):
     # named archs' (and moe_transformer_lm_tiny's) pre-norm model of dimension 128. --user-dir: fairseq 0.12's
     # LM datasets need the plugin's NumPy 2 fix (np.compat); it changes nothing else of a dense run (tested).
     return pipeline.fairseq_cmd("train") + [
-        str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "language_modeling", "--arch", "transformer_lm", "--criterion", "cross_entropy",
+        str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "language_modeling", "--arch", "transformer_lm",
+        "--criterion", "cross_entropy",
         "--decoder-ffn-embed-dim", str(DENSE_FFN_DIM), "--decoder-input-dim", "128", "--decoder-output-dim", "128",
         "--decoder-normalize-before", *common_args(a, save_dir)]
 
@@ -256,7 +257,8 @@ def main(argv=None):
                                                run_dir / "dense")
     except (corpus.CorpusError, pipeline.StepError) as e:
         sys.exit(f"error: {e}")
-    print(f"\n{'model':8s} {'params':>10s} {'test ppl':>9s} {'valid ppl':>9s} {'train (wall)':>12s} {'train (CPU)':>11s}")
+    print(f"\n{'model':8s} {'params':>10s} {'test ppl':>9s} {'valid ppl':>9s} {'train (wall)':>12s} "
+          f"{'train (CPU)':>11s}")
     for name, r in results.items():
         print(f"{name:8s} {r['params']:>10,d} {r['test_ppl']:>9.2f} {r.get('valid_ppl', float('nan')):>9.2f} "
               f"{pipeline_duration(r['train_seconds']):>12s} {pipeline_duration(r['train_cpu_seconds']):>11s}")
