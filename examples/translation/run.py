@@ -69,8 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
     p.add_argument("--upcycle", action="store_true",
                    help="add a third row: the dense model at --upcycle-at updates made MoE (python -m "
-                        "fairseq_moe.upcycle: --experts copies of its FFN, top-k) and trained for the rest of the budget")
-    p.add_argument("--upcycle-at", type=int, default=None, help="the dense update to upcycle (default: half the budget)")
+                        "fairseq_moe.upcycle: --experts copies of its FFN, top-k) and trained for the rest of "
+                        "the budget")
+    p.add_argument("--upcycle-at", type=int, default=None,
+                   help="the dense update to upcycle (default: half the budget)")
     p.add_argument("--seed", type=int, default=1, help="training seed (both models)")
     a = p.parse_args(argv)
     validate(p, a)
