@@ -12,19 +12,14 @@ still in use after forward minus before it: the saved tensors plus the outputs).
     .venv/bin/python benchmarks/bench_layer.py                      # full grid
     .venv/bin/python benchmarks/bench_layer.py --E 8 --T 1024 --reps 3
     .venv/bin/python benchmarks/bench_layer.py --E 128 --T 16384 --profile   # + stage breakdown
-    .venv/bin/python benchmarks/bench_layer.py --policies all --E 32 --T 16384  # routing policies
 
---policies: per routing policy (--moe-routing and the top-k options), the routing overhead of a sparse
-policy (1 - expert MLP time / layer time: everything but the grouped MLP of the rows it routed, both
-forward+backward, interleaved), and for dense and soft routing the layer's time against dense FFNs of the
-same expert FLOPs.
+The routing policies' overhead is measured by bench_routing.py (beside this script, on its timing).
 
 See benchmarks/README.md for what each column means.
 """
 import argparse
 import contextlib
 import ctypes
-import dataclasses
 import gc
 import json
 import os
@@ -45,16 +40,16 @@ import fairseq_moe.moe.layer as layer_module  # noqa: E402
 
 # Targets at the largest T of the grid (16384 by default): time ratio per E, and memory ratio.
 TIME_TARGETS = {8: 1.15, 32: 1.3, 128: 1.6}
-OVERHEAD_TARGET = (32, 16384, 0.15)  # --policies: routing overhead of every sparse policy at (E, T)
 MEMORY_TARGET = 1.5
 BALANCE_COEF, Z_COEF = 0.01, 0.001  # loss weights of the aux losses in the MoE backward
 MB = 2**20
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--E", type=int, nargs="+", default=[8, 32, 128], help="numbers of experts")
-    p.add_argument("--T", type=int, nargs="+", default=[4096, 16384], help="numbers of tokens")
+def parser(description, E=(8, 32, 128), T=(4096, 16384)):
+    """The flags of a layer timing (this script's and bench_routing.py's)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--E", type=int, nargs="+", default=list(E), help="numbers of experts")
+    p.add_argument("--T", type=int, nargs="+", default=list(T), help="numbers of tokens")
     p.add_argument("--d", type=int, default=512, help="model dim")
     p.add_argument("--f", type=int, default=2048, help="ffn dim (of each expert and dense FFN)")
     p.add_argument("--k", type=int, default=2, help="top-k (= number of dense FFNs summed)")
@@ -66,23 +61,18 @@ def parse_args(argv=None):
                         "--threads 1; with more threads it also counts OpenMP spin-waiting)")
     p.add_argument("--dropless", action="store_true", help="capacity_factor=0 (no token dropped)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="ignored with --dropless")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile one MoE step per config and print where its time goes")
-    p.add_argument("--policies", default=None, metavar="NAMES",
-                   help=f"instead of the grid: these routing policies (comma-separated, or 'all': "
-                        f"{', '.join(POLICIES)}) at each --E and --T")
-    p.add_argument("--soft-group", type=int, default=128,
-                   help="--policies soft: tokens per group (sentence); slots per expert = k * group / E")
     p.add_argument("--json", metavar="PATH", help="write the results (and the settings) here")
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def parse_args(argv=None):
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one MoE step per config and print where its time goes")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
-    if args.policies is not None:
-        args.policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-        unknown = [n for n in args.policies if n not in POLICIES]
-        if unknown or not args.policies:
-            p.error(f"--policies: unknown {unknown} (choose from {', '.join(POLICIES)} or all)")
     return args
 
 
@@ -418,116 +408,6 @@ def run_config(args, E, T):
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# Routing policies (--policies)
-
-# name -> (MoEConfig fields for the policy at E experts, kind): "sparse" rows report the routing
-# overhead, "dense" and "soft" the time against dense FFNs of the same expert FLOPs.
-POLICIES = {
-    "topk": (lambda E: {}, "sparse"),
-    "topk-gaussian-noise": (lambda E: dict(gate_noise="gaussian", gate_noise_scale=1.0 / E), "sparse"),
-    "topk-moe-branch": (lambda E: dict(second_expert_policy="sampling", batch_prioritized_routing=True), "sparse"),
-    "topk-random-token-selection": (lambda E: dict(random_token_selection=True), "sparse"),
-    "sigmoid-bias": (lambda E: dict(score="sigmoid", bias_update_rate=1e-3), "sparse"),
-    "group-limited": (lambda E: dict(expert_groups=4, topk_groups=2), "sparse"),
-    "expert_choice": (lambda E: dict(routing="expert_choice"), "sparse"),
-    "hash": (lambda E: dict(routing="hash", top_k=1), "sparse"),
-    "dense": (lambda E: dict(routing="dense"), "dense"),
-    "soft": (lambda E: dict(routing="soft"), "soft"),
-}
-
-
-@contextlib.contextmanager
-def _captured_routing(layer, seen):
-    """Record what the layer hands its fused expert op (x, token_index, counts) while in the block."""
-    combine = layer.experts.combine
-
-    def recording(x, token_index, weights, counts, *rest):
-        seen.update(x=x, token_index=token_index, counts=counts)
-        return combine(x, token_index, weights, counts, *rest)
-
-    layer.experts.combine = recording
-    try:
-        yield
-    finally:
-        del layer.experts.combine  # back to the method
-
-
-def run_policy(args, name, E, T):
-    """One policy at (E, T): the layer's step against its expert MLP alone (sparse) or dense FFNs of the
-    same expert FLOPs (dense: E FFNs on T*k/E tokens; soft: k FFNs on T tokens, k*group/E slots per expert)."""
-    fields, kind = POLICIES[name]
-    d, f, k = args.d, args.f, args.k
-    fields = fields(E)
-    if kind == "soft":
-        if T % args.soft_group or (k * args.soft_group) % E:
-            raise SystemExit(f"--policies soft: --T {T} must be a multiple of --soft-group {args.soft_group}, "
-                             f"and k * group a multiple of E={E}")
-        fields["soft_slots"] = k * args.soft_group // E
-    tokens = T * k // E if kind == "dense" else T  # dense routing: the expert FLOPs of top-k at T
-    cf = 0.0 if args.dropless else args.capacity_factor
-    if fields.get("routing") == "expert_choice" and not cf:
-        fields["capacity_factor"] = 1.0  # (no dropless form: each expert takes exactly k * T / E tokens)
-    torch.manual_seed(args.seed)
-    cfg = MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf)
-    layer = MoELayer(dataclasses.replace(cfg, **fields)).train()
-    shape = (T // args.soft_group, args.soft_group, d) if kind == "soft" else (tokens, d)
-    x = torch.randn(*shape, requires_grad=True)
-    grad_y = torch.randn(*shape)
-    token_ids = torch.randint(4, 10000, shape[:-1]) if layer.cfg.routing == "hash" else None
-
-    def layer_forward(model, x):
-        return model(x, token_ids=token_ids) if token_ids is not None else model(x)
-
-    result = {"policy": name, "kind": kind, "E": E, "T": tokens, "d": d, "f": f, "k": layer.cfg.top_k,
-              "capacity_factor": cf, "fields": fields}
-    if kind == "sparse":
-        seen = {}
-        with _captured_routing(layer, seen), torch.no_grad():
-            layer_forward(layer, x)
-        rows = seen["x"].detach().index_select(0, seen["token_index"]).requires_grad_()
-        counts, experts = seen["counts"], layer.experts
-        baseline, base_x, base_grad = experts, rows, torch.randn_like(rows)
-        base_forward = lambda model, r: model(r, counts)  # noqa: E731  (the torch backend's grouped MLP)
-        result["rows"] = rows.shape[0]
-    else:
-        baseline = DenseFFNs(d, f, E if kind == "dense" else k, "relu", "cpu", torch.float32).train()
-        base_x, base_grad, base_forward = x.detach().reshape(-1, d).clone().requires_grad_(), grad_y.reshape(-1, d), \
-            dense_forward
-    layer_ms, base_ms = interleaved(args, (layer_forward, moe_backward, layer, x, grad_y),
-                                    (base_forward, dense_backward, baseline, base_x, base_grad))
-    result.update(layer_ms=statistics.median(layer_ms), base_ms=statistics.median(base_ms),
-                  layer_ms_all=layer_ms, base_ms_all=base_ms)
-    if kind == "sparse":
-        result["overhead"] = 1.0 - result["base_ms"] / result["layer_ms"]
-    else:
-        result["flops_ratio"] = result["layer_ms"] / result["base_ms"]
-    return result
-
-
-def print_policy_row(r=None):
-    cols = ("policy", "E", "T", "layer ms", "baseline ms", "baseline", "overhead / ratio")
-    widths = (28, 4, 6, 10, 11, 30, 16)
-    if r is None:
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols, widths))))
-        return
-    if r["kind"] == "sparse":
-        base, value = f"its expert MLP ({r['rows']} rows)", f"{100 * r['overhead']:.1f}%"
-    else:
-        n = r["E"] if r["kind"] == "dense" else r["k"]
-        base, value = f"{n} dense FFNs on {r['T']} tokens", f"{r['flops_ratio']:.3f}x"
-    vals = (r["policy"], str(r["E"]), str(r["T"]), f"{r['layer_ms']:.1f}", f"{r['base_ms']:.1f}", base, value)
-    print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))), flush=True)
-
-
-def policy_checks(results):
-    E, T, target = OVERHEAD_TARGET
-    lines = [f"{'PASS' if r['overhead'] <= target else 'FAIL'}  routing overhead {r['policy']} E={E} T={T}: "
-             f"{100 * r['overhead']:.1f}% (target <= {100 * target:.0f}%)"
-             for r in results if r["kind"] == "sparse" and (r["E"], r["T"]) == (E, T)]
-    return lines or [f"note: the overhead target is defined at E={E} T={T}; not measured here"]
-
-
 def _fmt_mb(b):
     return "-" if b is None else f"{b / MB:.1f}"
 
@@ -580,25 +460,20 @@ def checks(args, results):
     return lines
 
 
-def main(argv=None):
+def start(args):
+    """The clock and thread count of args; prints the settings line."""
     global _CLOCK
-    args = parse_args(argv)
     _CLOCK = time.process_time if args.timer == "cpu" else time.perf_counter
-    threads = args.threads or os.cpu_count()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads or os.cpu_count())
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
           f"d={args.d} f={args.f} k={args.k} fp32, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
-    if args.policies:
-        print_policy_row()
-        results = []
-        for T in args.T:
-            for E in args.E:
-                for name in args.policies:
-                    results.append(run_policy(args, name, E, T))
-                    print_policy_row(results[-1])
-        return finish(args, results, policy_checks(results))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start(args)
     print_row(None, header=True)
     results = []
     for T in args.T:

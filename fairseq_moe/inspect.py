@@ -58,8 +58,9 @@ def moe_layers(model, which=None):
 
 @contextlib.contextmanager
 def recording(layers):
-    """While inside: what each layer's expert computation is handed, per call: {name: [(T, expert of each
-    row, token of each row, weight of each row)]}."""
+    """While inside: what each MoE layer of layers [(name, MoELayer)] hands its fused expert computation, per
+    call: {name: [(x [T, d], token_index [N], weights [N], counts [E])]} (detached). One process, per-token
+    routing only (benchmarks/bench_routing.py uses it too)."""
     seen = defaultdict(list)
     for name, layer in layers:
         if layer.cfg.routing == "soft":
@@ -69,8 +70,7 @@ def recording(layers):
             raise FlagError("inspect runs on one process (load the checkpoint there: sets load at any world size)")
 
         def combine(x, token_index, weights, counts, *rest, _name=name, _original=layer.experts.combine):
-            expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())
-            seen[_name].append((x.shape[0], expert, token_index.cpu(), weights.detach().float().cpu()))
+            seen[_name].append((x.detach(), token_index, weights.detach(), counts))
             return _original(x, token_index, weights, counts, *rest)
 
         layer.experts.combine = combine
@@ -102,7 +102,9 @@ def route_sentence(model, task, layers, src, tgt=None):
     for name, _ in layers:
         if not seen[name]:
             continue
-        T, expert, token, weight = seen[name][-1]
+        x, token, weight, counts = seen[name][-1]
+        T, token, weight = x.shape[0], token.cpu(), weight.float().cpu()
+        expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())
         side_tokens = (prev[0] if prev is not None and name.startswith("decoder") else src).tolist()
         per_token = [[] for _ in range(T)]
         for e, t, w in zip(expert.tolist(), token.tolist(), weight.tolist()):

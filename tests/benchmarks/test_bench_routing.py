@@ -1,4 +1,4 @@
-"""benchmarks/bench_layer.py --policies and benchmarks/gate_ablation.py's table, at tiny sizes.
+"""benchmarks/bench_routing.py and benchmarks/gate_ablation.py's table, at tiny sizes.
 
 The figures themselves are measured by running the scripts (README); these tests check that every routing
 policy runs through the layer benchmark with the right baseline (the rows its routing produced, or dense
@@ -26,13 +26,13 @@ def load(name, *extra_path):
 
 @pytest.fixture(scope="module")
 def bench():
-    return load("bench_layer", ("benchmarks",))
+    return load("bench_routing", ("benchmarks",))
 
 
 def test_every_policy_runs_against_its_baseline(bench, tmp_path):
     out = tmp_path / "policies.json"
     E, T, k, group = 4, 96, 2, 16
-    bench.main(["--policies", "all", "--E", str(E), "--T", str(T), "--d", "8", "--f", "12", "--reps", "1",
+    bench.main(["--E", str(E), "--T", str(T), "--d", "8", "--f", "12", "--reps", "1",
                 "--warmup", "0", "--soft-group", str(group), "--threads", "1", "--dropless", "--json", str(out)])
     results = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     assert list(results) == list(bench.POLICIES)
