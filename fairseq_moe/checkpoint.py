@@ -402,12 +402,10 @@ def check_fits(state, model_keys, reset_optimizer, path):
                 raise CheckpointError(f"{path}: its {name.split('.', 1)[0]} dictionary has {saved[name][0]} symbols, "
                                       f"this task's has {mine[name][0]}: train with the data (and dict.*.txt) the "
                                       f"checkpoint was trained on")
-    extra = state.get("extra_state") or {}
-    origin = ("upcycled from the dense " + str(extra["upcycled_from"].get("checkpoint")) if "upcycled_from" in extra
-              else "converted from fairseq's moe branch" if "converted_from_moe_branch" in extra else None)
-    if origin and not reset_optimizer:
-        raise CheckpointError(f"{path} was {origin} and has no optimizer state: train from it with "
-                              f"--finetune-from-model {path}")
+    made_by = (state.get("extra_state") or {}).get("made_by")  # (upcycle.MADE_BY: a tool's, no optimizer state)
+    if made_by and not reset_optimizer:
+        raise CheckpointError(f"{path} was {made_by.get('what', 'written by a tool')} and has no optimizer state: "
+                              f"train from it with --finetune-from-model {path}")
     old_gates = [n for n in model_keys if n.endswith(".gate.log_inv_temperature") and n not in model
                  and n.replace("log_inv_temperature", "weight") in model]
     if old_gates and not reset_optimizer and state.get("last_optimizer_state") is not None:

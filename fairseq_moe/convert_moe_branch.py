@@ -23,7 +23,6 @@ import argparse
 import os
 import re
 import sys
-from argparse import Namespace
 
 import torch
 
@@ -31,11 +30,8 @@ from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
 from .reshard import refuse_existing, run_tool, write_new
+from .upcycle import moe_checkpoint, section
 
-TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
-TASKS.update({v: v for v in TASKS.values()})
-CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
-CRITERIONS.update({v: v for v in CRITERIONS.values()})
 _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."
                      r"(?P<fc>fc1|fc2)\.(?P<kind>weight|bias)$")
 _GATE = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.gate\.wg\.weight$")
@@ -73,16 +69,10 @@ def find_files(prefix):
 
 
 def _model_cfg(state, path):
-    cfg = state.get("cfg")
-    model = cfg.get("model") if isinstance(cfg, dict) else None
-    if model is None and state.get("args") is not None:
+    if state.get("cfg") is None and state.get("args") is not None:
         raise CheckpointError(f"{path} was saved by fairseq < 0.10 (args, no cfg): load and save it once with the "
                               f"moe branch's own fairseq (a newer one), then convert")
-    if isinstance(model, Namespace):
-        return vars(model).copy()
-    if isinstance(model, dict):
-        return dict(model)
-    raise CheckpointError(f"{path}: no model config (cfg.model) to read the MoE settings from")
+    return section(state.get("cfg"), "model", path)
 
 
 def _read(path, what):
@@ -215,23 +205,9 @@ def convert(prefix, out):
                and not top1)
     if "encoder" in sides:
         cfg["encoder_moe_freq"] = freqs["encoder"]
-    full = dict(state.get("cfg") or {})
-    full["model"] = Namespace(**cfg)
-    task = full.get("task")
-    task = vars(task).copy() if isinstance(task, Namespace) else dict(task or {})
-    if task.get("_name") not in TASKS:
-        raise CheckpointError(f"{shared_path}: cfg.task._name = {task.get('_name')!r}; fairseq-moe's MoE tasks are "
-                              f"{', '.join(sorted(set(TASKS.values())))} (from translation, language_modeling)")
-    full["task"] = dict(task, _name=TASKS[task["_name"]])
-    criterion = full.get("criterion")
-    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
-        full["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
-    extra = dict(state.get("extra_state") or {})
-    extra.pop("moe_checkpoint", None)
-    extra["converted_from_moe_branch"] = {"shared": os.path.abspath(shared_path), "rank_files": len(rank_files),
-                                          "experts": E}
-    converted = {k: v for k, v in state.items() if k not in ("last_optimizer_state", "args")}
-    converted.update(model=model, cfg=full, extra_state=extra, args=None)
+    converted = moe_checkpoint(state, model, cfg, shared_path, {
+        "what": f"converted from fairseq's moe branch ({os.path.abspath(shared_path)})",
+        "rank_files": len(rank_files), "experts": E})
     write_new(out, lambda save: save(converted, out))
     return {layer: E for layer in sorted(experts)}
 

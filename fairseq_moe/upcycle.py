@@ -38,7 +38,10 @@ from .reshard import refuse_existing, run_tool, write_new
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
 TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
+TASKS.update({v: v for v in TASKS.values()})
 CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
+CRITERIONS.update({v: v for v in CRITERIONS.values()})
+MADE_BY = "made_by"  # extra_state key of a checkpoint written by a tool without optimizer state: what made it
 _FFN = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<i>\d+)\.fc1\.weight$")
 
 
@@ -55,7 +58,8 @@ def chosen_layers(layers, side, moe_freq, side_freq):
     return [i for i in range(layers) if freq > 0 and (i + 1) % freq == 0]
 
 
-def _section(cfg, name, path):
+def section(cfg, name, path):
+    """cfg[name] of a checkpoint's config as a dict (fairseq 0.12 keeps argparse models' as a Namespace)."""
     value = cfg.get(name) if isinstance(cfg, dict) else None
     if isinstance(value, Namespace):
         return vars(value).copy()
@@ -75,16 +79,12 @@ def read_dense(path):
                               f"fairseq 0.12 (fairseq-train --restore-file ... --max-update of its own) first")
     if any(".moe." in key for key in state["model"]):
         raise CheckpointError(f"{path} already has MoE layers: upcycling starts from a dense checkpoint")
-    model = _section(state["cfg"], "model", path)
+    model = section(state["cfg"], "model", path)
     arch = model.get("_name") or model.get("arch")
     name = dense_model_name(arch)
     if name not in MODELS:
         raise CheckpointError(f"{path} is a {arch!r} model ({name}); upcycling takes fairseq's transformer or "
                               f"transformer_lm (any of their archs)")
-    task = _section(state["cfg"], "task", path).get("_name")
-    if task not in TASKS:
-        raise CheckpointError(f"{path} was trained with --task {task}; upcycling knows {', '.join(TASKS)} "
-                              f"(their MoE tasks: {', '.join(TASKS.values())})")
     if name == "transformer_lm" and not model.get("decoder_normalize_before"):
         # fairseq's LM archs (and ours) force pre-norm (base_lm_architecture): the MoE model could generate
         # like this one, but no fairseq-train command line could fine-tune it as the same model.
@@ -95,6 +95,27 @@ def read_dense(path):
     if activation not in ACTIVATIONS:
         raise CheckpointError(f"{path} uses --activation-fn {activation}; an MoE layer has {', '.join(ACTIVATIONS)}")
     return state, model, name, MODELS[name][1]
+
+
+def moe_checkpoint(state, weights, model_cfg, path, made_by):
+    """A fairseq checkpoint state (read from path) rewritten as one of our MoE models: these weights, this model
+    config (a Namespace: MoE models are argparse models in fairseq 0.12), the task and criterion mapped to the
+    MoE ones (a task without one is refused, naming it), no optimizer state, and extra_state[MADE_BY] =
+    made_by ({"what": how it was made, ...}: loading it refuses to resume as if it had an optimizer state)."""
+    cfg = dict(state["cfg"], model=Namespace(**model_cfg))
+    task = section(cfg, "task", path)
+    if task.get("_name") not in TASKS:
+        raise CheckpointError(f"{path}: cfg.task._name = {task.get('_name')!r}; fairseq-moe's MoE tasks are "
+                              f"moe_translation and moe_language_modeling (from translation, language_modeling)")
+    cfg["task"] = dict(task, _name=TASKS[task["_name"]])
+    criterion = cfg.get("criterion")
+    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
+        cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
+    extra = {k: v for k, v in (state.get("extra_state") or {}).items() if k != "moe_checkpoint"}
+    extra[MADE_BY] = made_by
+    out = {k: v for k, v in state.items() if k != "last_optimizer_state"}  # (--finetune-from-model: a fresh one)
+    out.update(model=weights, cfg=cfg, extra_state=extra, args=None)  # (args would override cfg in fairseq)
+    return out
 
 
 def expert_copies(fc1_w, fc1_b, fc2_w, fc2_b, experts, noise=0.0, generator=None):
@@ -165,16 +186,9 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
                      moe_top1_weight=top1_weight, moe_gate="linear", moe_eval_capacity_token_fraction=0.0)
     if "encoder" in sides:
         model_cfg["encoder_moe_freq"] = encoder_moe_freq
-    cfg = dict(state["cfg"], model=Namespace(**model_cfg))  # (MoE models are argparse models in fairseq 0.12)
-    cfg["task"] = dict(_section(cfg, "task", src), _name=TASKS[_section(cfg, "task", src)["_name"]])
-    criterion = cfg.get("criterion")
-    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
-        cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
-    extra = dict(state.get("extra_state") or {})
-    extra["upcycled_from"] = {"checkpoint": os.path.abspath(src), "experts": experts, "layers": sorted(done),
-                              "router": router, "noise": noise, "seed": seed}
-    upcycled = dict(state, model=weights, cfg=cfg, extra_state=extra)
-    upcycled.pop("last_optimizer_state", None)  # (no optimizer state: --finetune-from-model starts a fresh one)
+    upcycled = moe_checkpoint(state, weights, model_cfg, src, {
+        "what": f"upcycled from the dense {os.path.abspath(src)}", "experts": experts, "layers": sorted(done),
+        "router": router, "noise": noise, "seed": seed})
     write_new(out, lambda save: save(upcycled, out))
     return done
 

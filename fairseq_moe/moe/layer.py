@@ -155,10 +155,10 @@ class MoELayer(nn.Module):
         shape = x.shape
         if x.dim() not in (2, 3):
             raise ValueError(f"--moe-routing soft takes x [groups, tokens, d] or [tokens, d], not {tuple(shape)}")
-        x = x.reshape(-1, shape[-2], shape[-1])  # [G, n, d]
-        mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()
         if padding_mask is not None and padding_mask.shape != shape[:-1]:
             raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
+        x = x.reshape(-1, shape[-2], shape[-1])  # [G, n, d]
+        mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()
         G, n, d = x.shape
         E, p = cfg.num_experts, cfg.soft_slots
         ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))

@@ -92,7 +92,7 @@ def test_layers_copies_router_and_config(dense_mt, tmp_path):
     assert w1.shape == (4, *fc1.t().shape) and all(torch.equal(w1[e], fc1.t()) for e in range(4))
     assert not b["model"]["decoder.layers.0.fc1.moe.gate.weight"].any()  # --router zero
     assert "encoder.layers.0.fc1.weight" in b["model"] and "encoder.layers.1.fc1.weight" not in b["model"]
-    assert "last_optimizer_state" not in b and b["extra_state"]["upcycled_from"]["experts"] == 4
+    assert "last_optimizer_state" not in b and b["extra_state"]["made_by"]["experts"] == 4
     model = b["cfg"]["model"]
     assert (model._name, model.moe_expert_count, model.decoder_moe_freq) == ("moe_transformer", 4, 1)
     assert (b["cfg"]["task"]["_name"], b["cfg"]["criterion"]["_name"]) == (
@@ -141,7 +141,7 @@ def test_refusals(dense_mt, dense_lm, lm_data_bin, tmp_path, capsys):
     fails(out, tmp_path / "again.pt", "--experts", "2", match="already has MoE layers")
     state = torch.load(dense_mt, weights_only=True)
     for section, change, match in (("model", {"_name": "lstm", "arch": "lstm"}, "'lstm' model"),
-                                   ("task", {"_name": "multilingual_translation"}, "--task multilingual_translation"),
+                                   ("task", {"_name": "multilingual_translation"}, "cfg.task._name = 'multilingual_translation'"),
                                    ("model", {"activation_fn": "tanh"}, "--activation-fn tanh")):
         cfg = dict(state["cfg"])
         old = cfg[section]
