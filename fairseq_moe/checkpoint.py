@@ -1,8 +1,10 @@
 """fairseq checkpoints of MoE models: safe loading, and expert-parallel saves that lose nothing.
 
 Loading: weights_only=True always passed, config strings checked (safe_eval.py), names resolved by fixed
-rules, a damaged set an error naming its file. Saving with the experts spread: NAME-rank-R.pt per rank +
-NAME-shared.pt (expert_checkpoint.py), a barrier before any deletion, a killed save's leftovers removed.
+rules, a damaged set an error naming its file (a resume takes the newest complete set instead, and says
+so). Saving with the experts spread: NAME-rank-R.pt per rank + NAME-shared.pt (expert_checkpoint.py),
+committed as a whole (commit.py), old sets retired only after the commit, a stopped save's leftovers
+recovered.
 The hooks below are installed by patches.py (each entry says why); their per-Trainer state is a RunState.
 """
 import argparse
@@ -10,7 +12,6 @@ import contextlib
 import importlib
 import logging
 import os
-import re
 import shutil
 import time
 import weakref
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import expert_checkpoint as shards
-from . import patches, refusals, safe_eval
+from . import commit, patches, refusals, safe_eval
 from .errors import CheckpointError, MissingCheckpointError
 
 SAFE_GLOBALS = [argparse.Namespace]
@@ -71,54 +72,6 @@ def _atomic_copy(src, dst, overwrite):
     shutil.copyfile(src, dst + ".tmp")
     os.replace(dst + ".tmp", dst)
     return True
-
-
-def _remove(path):
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
-def _remove_set(base, from_rank=0, shared=True):
-    """Delete NAME-rank-R.pt for R >= from_rank and, if shared, NAME-shared.pt (look-alikes stay)."""
-    for path in shards.set_files(base):
-        rank = shards._SHARD.match(path).group("rank")
-        if shared if rank is None else int(rank) >= from_rank:
-            _remove(path)
-
-
-def remove_leftovers(save_dir, suffix, sets=True):
-    """What a killed save left, for this run's checkpoint names (checkpoint3, checkpoint_2_400,
-    checkpoint_last, checkpoint_best, checkpoint.best_loss_3.21, with --checkpoint-suffix): fairseq's
-    temporaries NAME.pt.tmp, and (sets) the sets whose rank-0 file is gone but other files remain (a
-    --keep-* deletion cut short: rank 0 deletes its file first; they cannot load). Called by rank 0 at
-    the start of a save, when no rank writes or deletes."""
-    names = re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "")
-                       + r"(?P<set>-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp)?$")
-    found = [(n, names.match(n)) for n in (os.listdir(save_dir) if os.path.isdir(save_dir) else ())]
-    for name, m in found:
-        if m and m.group("tmp"):
-            _remove(os.path.join(save_dir, name))
-            logger.info("removed %s, left by a save that did not finish", name)
-    bases = {shards.set_base(os.path.join(save_dir, n)) for n, m in found if sets and m and m.group("set")
-             and not m.group("tmp")}
-    for base in sorted(b for b in bases if not os.path.exists(shards.rank_path(b, 0))):
-        _remove_set(base)
-        logger.info("removed what was left of %s-*.pt (its deletion did not finish)", base)
-
-
-def rank0_files(save_dir):
-    return {os.path.join(save_dir, n) for n in os.listdir(save_dir) if n.endswith("-rank-0.pt")}
-
-
-def clean_up(before, save_dir, world_size, written):
-    """After a save (rank 0), for the sets whose rank-0 file fairseq deleted in this save (--keep-*;
-    also one written and deleted in the same save): their shared file and the rank files of ranks that
-    are not there any more (a set of an earlier, larger run) go too. A set just written loses its rank
-    files beyond this world size. (Ranks below world_size remove their own files.)"""
-    for gone in (before | {shards.rank_path(base, 0) for base in written}) - rank0_files(save_dir):
-        _remove_set(shards.set_base(gone), world_size)
-    for base in written:
-        _remove_set(base, world_size, shared=False)
 
 
 def load_checkpoint_file(path, arg_overrides=None):
@@ -253,39 +206,50 @@ def trainer_state_dict(self):
 
 
 class SaveInProgress:
-    """One save_checkpoint of an MoE model, from its start to its end.
+    """One save_checkpoint of an MoE model, from its start to its end: stands in for fairseq's PathManager,
+    and for `os` in fairseq's checkpoint_utils (where fairseq deletes old checkpoints).
 
-    Stands in for fairseq's PathManager (copies: atomic; with the experts spread, a set's shared file is
-    copied along on rank 0, so checkpoint_last, checkpoint_best, ... are whole sets) and checkpoint_paths
-    (its first call after this rank wrote is where fairseq starts deleting old checkpoints: every rank
-    meets in a barrier there, so none deletes before all have written). save_id: drawn on rank 0, in
-    every file of the save; written: the sets rank 0 wrote or copied (for the clean-up)."""
+    One process: copies are atomic, the rest is fairseq's. With the experts spread, the save is a
+    commit.SetSave: every file is written staged, copies to more names (checkpoint_last, checkpoint_best,
+    ...) are staged copies of a whole set (rank 0 copies the shared file along), fairseq's --keep-* rules
+    count the names as they will be after the save, and what they delete becomes a retired set, deleted
+    by rank 0 after the commit. No file of the previous sets changes before every rank's files are on disk."""
 
-    def __init__(self, path_manager, list_checkpoints, copy_shared, save_id=None, barrier=None):
-        self._pm, self._list, self.copy_shared = path_manager, list_checkpoints, copy_shared
-        self.save_id, self.barrier, self.written = save_id, barrier, []
-        self.wrote = self.met = False
+    def __init__(self, path_manager, sets=None, master=False):
+        self._pm, self.sets, self.master = path_manager, sets, master
 
-    def __getattr__(self, name):  # the rest of PathManager
+    def __getattr__(self, name):  # the rest of PathManager, and of os
         return getattr(self._pm, name)
 
     def copy(self, src, dst, overwrite=False):
-        ok = _atomic_copy(src, dst, overwrite)
-        if self.copy_shared and ok:
-            ok = _atomic_copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)),
-                              overwrite)
-            self.written.append(shards.set_base(dst))
-        return ok
+        if self.sets is None:
+            return _atomic_copy(src, dst, overwrite)
+        self.sets.copy(src, dst)
+        if self.master:
+            self.sets.copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)))
+        return True
 
-    def checkpoint_paths(self, *args, **kwargs):
-        if self.wrote:
-            self.meet()
-        return self._list(*args, **kwargs)
+    def ls(self, path):
+        return self.sets.listing(path) if self.sets is not None else self._pm.ls(path)
 
-    def meet(self):
-        if self.barrier is not None and not self.met:
-            self.barrier()
-        self.met = True
+    def exists(self, path):
+        return self._pm.exists(path) or (self.sets is not None and self.sets.has(path))
+
+    def rm(self, path):
+        self.sets.retire(path) if self.sets is not None else self._pm.rm(path)
+
+
+class OsDuringSave:
+    """`os` for fairseq's save_checkpoint: its os.remove of an old rank file retires that set instead."""
+
+    def __init__(self, save):
+        self._save = save
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def remove(self, path):
+        self._save.rm(path) if self._save.sets is not None else os.remove(path)
 
 
 def trainer_save_checkpoint(self, filename, extra_state):
@@ -300,50 +264,56 @@ def trainer_save_checkpoint(self, filename, extra_state):
     state["extra_state"].update(extra_state)
     experts = state["extra_state"]["moe_checkpoint"]  # from state_dict() above
     W = self.data_parallel_world_size
-    info = shards.manifest(self.get_num_updates(), save.save_id, W, experts["experts"],
+    info = shards.manifest(self.get_num_updates(), save.sets.save_id, W, experts["experts"],
                            experts["optimizer_index"], W)
     shared, mine = shards.split(state, {n: (f, c) for n, (f, c, _) in spread.items()}, self.data_parallel_rank,
                                 info)
-    checkpoint_utils = importlib.import_module(_CKPT)
-    checkpoint_utils.torch_persistent_save(mine, filename)  # (asynchronous writes are refused with spread experts)
-    save.wrote = True
+    save.sets.write(mine, filename)  # (asynchronous writes are refused with spread experts)
     if self.is_data_parallel_master:
-        path = shards.shared_path(shards.set_base(filename))
-        checkpoint_utils.torch_persistent_save(shared, path)
-        save.written.append(shards.set_base(filename))
-        logger.info(f"Saved expert-parallel checkpoint {path} and {W} rank files")
+        save.sets.write(shared, shards.shared_path(shards.set_base(filename)))
     return os.path.abspath(filename)
 
 
 def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-    """fairseq's save_checkpoint for MoE models: see SaveInProgress, remove_leftovers and clean_up."""
+    """fairseq's save_checkpoint for MoE models: see SaveInProgress and commit.py."""
     fairseq_save = patches.original(_CKPT, "save_checkpoint")
     if cfg.no_save or not expert_params(trainer.get_model()):  # a dense model: fairseq's own save
         return fairseq_save(cfg, trainer, epoch_itr, val_loss)
-    from fairseq.distributed import utils as dist_utils
     checkpoint_utils = importlib.import_module(_CKPT)
     spread, master = bool(run_state(trainer).spread), trainer.is_data_parallel_master
-    if master:  # what a killed save left; no rank writes or deletes now
-        remove_leftovers(cfg.save_dir, cfg.checkpoint_suffix, sets=spread)
-    save = SaveInProgress(checkpoint_utils.PathManager, checkpoint_utils.checkpoint_paths, master and spread)
+    if master:  # what a stopped save left; no rank writes now (the broadcast below waits for this)
+        commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+    sets = None
     if spread:
+        from fairseq.distributed import utils as dist_utils
         os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
         group = trainer.data_parallel_process_group
         # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
-        # (It also orders the clean-up above before any rank's write.)
-        save.save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
-        save.barrier = lambda: dist_utils.all_reduce(torch.zeros(1), group)
-    before = rank0_files(cfg.save_dir) if spread else set()
-    run_state(trainer).save = save
+        save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
+        sets = commit.SetSave(cfg.save_dir, save_id, trainer.data_parallel_rank, trainer.data_parallel_world_size,
+                              gather=lambda obj: _all_gather(obj, group))
+    save = SaveInProgress(checkpoint_utils.PathManager, sets, master)
+    run_state(trainer).save, error, out = save, None, None
     try:
         with patches.scoped(checkpoint_utils, "PathManager", save), \
-                patches.scoped(checkpoint_utils, "checkpoint_paths", save.checkpoint_paths):
+                patches.scoped(checkpoint_utils, "os", OsDuringSave(save)):
             out = fairseq_save(cfg, trainer, epoch_itr, val_loss)
+    except Exception as e:
+        if sets is None:
+            raise
+        error = e  # the other ranks must hear of it before anyone raises
     finally:
         run_state(trainer).save = None
-    save.meet()  # nothing was deleted: meet before rank 0's clean-up all the same
-    if master and spread:
-        clean_up(before, cfg.save_dir, trainer.data_parallel_world_size, save.written)
+    if sets is not None:
+        sets.finish(error)
+    return out
+
+
+def _all_gather(obj, group):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -437,18 +407,69 @@ def trainer_load_checkpoint(self, filename, *args, **kwargs):
         return fairseq_load(self, path, *args, **kwargs)
 
 
+def recover_before_resume(cfg, trainer):
+    """commit.recover() on rank 0 while no rank reads or writes: a committed save finished, an uncommitted
+    one's staged files removed, before any rank looks for its checkpoint."""
+    if trainer.data_parallel_rank == 0:
+        commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+    if trainer.data_parallel_world_size > 1:
+        from fairseq.distributed import utils as dist_utils
+        dist_utils.all_reduce(torch.zeros(1), trainer.data_parallel_process_group)
+
+
+def newest_complete_set(last, suffix, log=True):
+    """When the set checkpoint_last is incomplete or damaged: the newest complete set of this run's names
+    in its folder, as the --restore-file value that loads it (one log line says which and why). None when
+    checkpoint_last is whole (or a single file, or absent: fairseq's rules); the error when no set is."""
+    found = shards.locate(last)
+    if found is None or found[0] != "set":
+        return None
+    try:
+        shards.check_set(found[1])
+        return None
+    except CheckpointError as e:
+        damage = e
+    folder, names, best = os.path.dirname(last), commit.run_names(suffix), None
+    for name in os.listdir(folder):
+        m = names.match(name)
+        if not m or m.group("tmp") or not name.endswith("-shared.pt"):
+            continue
+        base = os.path.join(folder, name[:-len("-shared.pt")])
+        try:
+            shards.check_set(base)
+            info = shards.manifest_of(shards.read_file(shards.shared_path(base), mmap=True))
+        except CheckpointError:
+            continue
+        key = (info.get("saved_at", 0), info.get("num_updates", 0))
+        if best is None or key > best[0]:
+            best = (key, base, m.group(1), info.get("num_updates"))
+    if best is None:
+        raise damage
+    _, base, core, updates = best
+    if log:
+        logger.warning(f"{last} cannot be resumed ({damage}); resuming from {shards.shared_path(base)} + rank "
+                       f"files instead (update {updates}), the newest complete set of this run")
+    return os.path.join(folder, f"checkpoint{core}.pt")
+
+
 def load_checkpoint(cfg, trainer, **passthrough_args):
     """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
     only as a set (or a single file) at this world size for a first launch, and would then start
-    --finetune-from-model / --continue-once over it instead of resuming."""
+    --finetune-from-model / --continue-once over it instead of resuming. A stopped save is recovered
+    first; a damaged checkpoint_last set gives way to the newest complete set of the run."""
     overrides, finetuning = {}, False
+    if expert_params(trainer.get_model()):
+        recover_before_resume(cfg, trainer)
     if cfg.restore_file == "checkpoint_last.pt":
         last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
         resumable = shards.locate(last) is not None  # the same answer on every rank
+        newest = newest_complete_set(last, cfg.checkpoint_suffix, trainer.data_parallel_rank == 0)
+        if newest is not None:
+            overrides["restore_file"] = newest
         resets = cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters or cfg.reset_dataloader
         # (--finetune-from-model with --reset-* is fairseq's own error, raised on every rank.)
         if resumable and not (cfg.finetune_from_model is not None and resets):
-            overrides = {"finetune_from_model": None, "continue_once": None}
+            overrides.update(finetune_from_model=None, continue_once=None)
         finetuning = (not resumable and cfg.finetune_from_model is not None
                       and getattr(cfg, "continue_once", None) is None)
         if finetuning and not os.path.exists(cfg.finetune_from_model):

@@ -1,5 +1,6 @@
 """Bad input is one line, not a traceback: a FlagError or CheckpointError (errors.py) in a fairseq tool
-prints `PROG: error: MESSAGE` once, on rank 0, and exits with 2, as argparse does; any other exception
+prints `PROG: error: MESSAGE` once, on rank 0, and exits with 2, as argparse does (a SaveError the same
+way, with exit code 1: the input was fine, the disk was not); any other exception
 keeps its traceback (a bug to report). Under fairseq_moe.launch, ranks other than 0 exit silently on a
 usage error (exit_quietly). patches.py installs both.
 """
@@ -9,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from .errors import CheckpointError, FlagError
+from .errors import CheckpointError, FlagError, SaveError
 
 
 def _rank():
@@ -24,10 +25,10 @@ def one_line_errors(main):
     def wrapped(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except (FlagError, CheckpointError) as e:
+        except (FlagError, CheckpointError, SaveError) as e:
             if _rank() == 0:
                 print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            raise SystemExit(1 if isinstance(e, SaveError) else 2) from None
 
     return wrapped
 

@@ -7,6 +7,11 @@ For a checkpoint NAME.pt written by W ranks whose experts are spread (the layout
     NAME-rank-R.pt   rank R's slice [E_l, ...] of every expert tensor and those experts' optimizer state
                      (keyed by parameter name). Written by rank R.
 
+A save of many ranks commits its sets as a whole (commit.py): the files are written under staged names
+(NAME-rank-R.pt.SAVEID.staged), then a journal moe-commit-SAVEID.json lists the names to switch. A reader
+that meets such a journal finishes its renames for the set it opens (finish_renames), so it reads the
+committed save, never half of one.
+
 Every file carries the same manifest (update number, a save id drawn once per save, world size, expert
 layout); loading checks each file against the shared file's and names the first missing or mismatched
 one, so files of two saves never load together. A set loads at any world size: each rank's experts and
@@ -15,6 +20,7 @@ this is the file format, used by the trainer hooks (checkpoint.py) and reshard/c
 """
 import contextlib
 import glob
+import json
 import os
 import pickle
 import re
@@ -46,6 +52,74 @@ def rank_path(base, rank):
     return f"{base}-rank-{rank}.pt"
 
 
+def staged_path(final, save_id):
+    """Where a save stages the file `final` until its commit (commit.py)."""
+    return f"{final}.{save_id}.staged"
+
+
+STAGED = re.compile(r"^(?P<final>.+\.pt)\.(?P<save_id>[0-9a-f]{32})\.staged$")
+JOURNAL = re.compile(r"^moe-commit-(?P<save_id>[0-9a-f]{32})\.json$")
+
+
+def journal_path(folder, save_id):
+    return os.path.join(folder, f"moe-commit-{save_id}.json")
+
+
+def journals(folder):
+    """[(path, journal)] of the committed saves whose switch has not finished in folder (oldest first).
+    A file named like a journal that does not read as one is skipped (and named in the log by recover)."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        m = JOURNAL.match(name)
+        if m:
+            path = os.path.join(folder, name)
+            journal = read_journal(path)
+            if journal is not None and journal["save_id"] == m.group("save_id"):
+                out.append((os.path.getmtime(path), path, journal))
+    return [(path, journal) for _, path, journal in sorted(out)]
+
+
+def read_journal(path):
+    """The journal at path ({"save_id", "world_size", "commit": [NAME], "retire": [NAME]}), or None when
+    it is gone or not one (written whole by a rename, so never half)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            journal = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(journal, dict) and isinstance(journal.get("save_id"), str)
+          and isinstance(journal.get("world_size"), int) and journal["world_size"] >= 1
+          and all(isinstance(journal.get(k), list) and all(isinstance(n, str) and os.sep not in n and n
+                                                           for n in journal[k]) for k in ("commit", "retire")))
+    return journal if ok else None
+
+
+def committed_files(base, journal):
+    """[(staged, final)] of the set NAME in a committed save's journal: its shared and rank files."""
+    W, sid = journal["world_size"], journal["save_id"]
+    finals = [shared_path(base)] + [rank_path(base, r) for r in range(W)]
+    return [(staged_path(f, sid), f) for f in finals]
+
+
+def finish_renames(base):
+    """Give the staged files of a committed save of the set NAME their names (idempotent): what the save
+    had left to do when it was stopped. Anyone may do it, any number of times; deleting is left to
+    commit.recover(). Raises CheckpointError naming the journal when the folder cannot be changed."""
+    folder = os.path.dirname(base) or "."
+    for path, journal in journals(folder):
+        if os.path.basename(base) not in journal["commit"]:
+            continue
+        for staged, final in committed_files(base, journal):
+            try:
+                os.replace(staged, final)
+            except FileNotFoundError:
+                pass  # renamed already (or by someone else just now)
+            except OSError as e:
+                raise CheckpointError(f"{path}: the save it commits is complete on disk, but {staged} cannot be "
+                                      f"renamed to {os.path.basename(final)} ({e.strerror or e}); resume the run "
+                                      f"in a writable folder, or rename it by hand") from None
+
+
 def locate(path):
     """("set", NAME), ("file", path) or None: resolve() without the reason."""
     found = resolve(path)
@@ -65,6 +139,7 @@ def resolve(path):
     if m is None:
         return ("file", path, "named") if os.path.exists(path) else None
     base = m.group("base")
+    finish_renames(base)
     if m.group(2):  # NAME-shared.pt / NAME-rank-R.pt
         if os.path.exists(path) and not _is_set_file(path):
             return ("file", path, "a single file (not part of a set)")

@@ -51,16 +51,18 @@ PATCHES = (
     Patch(_TRAINER, "load_checkpoint", "fairseq_moe.checkpoint:trainer_load_checkpoint",
           "the name resolved (set or file), a damaged set an error; each rank reads its own experts"),
     Patch(_CKPT, "save_checkpoint", "fairseq_moe.checkpoint:save_checkpoint",
-          "copies of a set are whole sets, written atomically; no deletion before every rank wrote; "
-          "clean-up after a killed save"),
+          "with the experts spread, a save's sets are committed as a whole (commit.py), old ones retired "
+          "after; what a stopped save left is recovered first"),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:load_checkpoint_to_cpu",
           "weights_only=True passed explicitly, checked config strings, named errors; sets"),
     Patch(_CKPT, "load_checkpoint", "fairseq_moe.checkpoint:load_checkpoint",
           "a run whose checkpoint_last exists only as a set (or another world size's) resumes"),
     Patch(_CKPT, "PathManager", "fairseq_moe.checkpoint:SaveInProgress",
-          "copies during a save of an MoE model: atomic, and a set's shared file along", scoped=True),
-    Patch(_CKPT, "checkpoint_paths", "fairseq_moe.checkpoint:SaveInProgress",
-          "the barrier before fairseq's --keep-* deletions: no rank deletes before every rank wrote", scoped=True),
+          "copies during a save of an MoE model: atomic; with spread experts staged copies of whole sets, and "
+          "--keep-* counting the staged names", scoped=True),
+    Patch(_CKPT, "os", "fairseq_moe.checkpoint:OsDuringSave",
+          "fairseq's --keep-* os.remove of one rank's file of an old set retires the whole set, deleted by "
+          "rank 0 only once the new sets are committed", scoped=True),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
     Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoint:register_safe_globals",

@@ -261,8 +261,8 @@ def test_fine_tuning_flag_does_not_hide_a_set_to_resume(data_bin, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, tmp_path):
     """--restore-file in a folder whose name holds ".pt" (fairseq's suffix replace would miss it), a set
-    of an earlier 4-rank run overwritten by 2 ranks (its rank files 2 and 3 go), and a user's file
-    that merely ends in -shared.pt (it stays)."""
+    of an earlier 4-rank run overwritten by 2 ranks (its rank files 2 and 3 go), a partial set this run
+    never wrote and a user's file that merely ends in -shared.pt (they stay)."""
     import subprocess
     import sys
 
@@ -273,8 +273,9 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     assert reshard_main([str(tmp_path / "a" / "checkpoint_last.pt"), str(save / "checkpoint_last.pt"),
                          "--world-size", "4"]) == 0
     torch.save({"mine": torch.ones(1)}, save / "notes-shared.pt")
-    # What a killed earlier run left: a temporary of a save, and a set whose deletion stopped after
-    # its rank-0 file went. The next save removes both; a user's look-alike files stay.
+    # What a killed earlier run left: a temporary of a save (the next save removes it), and a set without
+    # its rank-0 file (being copied in, or restored in part: no save of this run retired it, so it stays),
+    # and a user's look-alike files (they stay).
     for name in ("checkpoint_last-rank-1.pt.tmp", "checkpoint_1_1-shared.pt", "checkpoint_1_1-rank-1.pt",
                  "notes.pt.tmp", "checkpoint_1_1-rank-1.pt.bak"):
         (save / name).write_bytes(b"x")
@@ -287,35 +288,13 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     state = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in state["optimizer_history"]][-2:] == [2, 3]  # resumed at 2
     assert sorted(os.listdir(save)) == sorted(
-        ["notes-shared.pt", "notes.pt.tmp", "checkpoint_1_1-rank-1.pt.bak"]
+        ["notes-shared.pt", "notes.pt.tmp", "checkpoint_1_1-rank-1.pt.bak", "checkpoint_1_1-shared.pt",
+         "checkpoint_1_1-rank-1.pt"]
         + [f"checkpoint_{n}-{r}.pt" for n in ("last", "best") for r in ("shared", "rank-0", "rank-1")])
 
     missing = str(tmp_path / "nothing.pt")
     with pytest.raises(FileNotFoundError, match=f"--restore-file {missing}: no such checkpoint"):
         run_train(train_argv(data_bin, tmp_path / "d", *SGD, "--restore-file", missing))
-
-
-def test_clean_up_after_a_save_removes_only_what_fairseq_dropped(tmp_path):
-    """Rank 0 after a save at W=2: a set fairseq deleted (its rank-0 file is gone) loses its shared
-    file and the rank files of an earlier 4-rank run; a set just written loses rank files >= 2; a set
-    written and deleted in the same save is cleaned too; look-alike files stay."""
-    from fairseq_moe.checkpoint import clean_up, rank0_files
-
-    def touch(*names):
-        for n in names:
-            (tmp_path / n).write_bytes(b"x")
-
-    touch("old-shared.pt", "old-rank-0.pt", "old-rank-2.pt", "old-rank-3.pt",       # 4-rank set, dropped
-          "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "last-rank-2.pt",   # rewritten by 2 ranks
-          "keep-shared.pt", "keep-rank-0.pt", "keep-rank-1.pt",                     # untouched
-          "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt")               # not ours
-    before = rank0_files(str(tmp_path))
-    (tmp_path / "old-rank-0.pt").unlink()  # what fairseq's --keep-* did during the save
-    touch("best_1.2-shared.pt")  # written and deleted in the same save: its rank-0 file is gone
-    clean_up(before, str(tmp_path), 2, [str(tmp_path / "last"), str(tmp_path / "best_1.2")])
-    assert sorted(os.listdir(tmp_path)) == sorted([
-        "last-shared.pt", "last-rank-0.pt", "last-rank-1.pt", "keep-shared.pt", "keep-rank-0.pt",
-        "keep-rank-1.pt", "last-rank-0.bak.pt", "notes-shared.pt", "last-rank-x.pt"])
 
 
 def test_files_without_save_times_compare_by_update(tmp_path):

@@ -1,0 +1,250 @@
+"""A save of many ranks replaces the previous checkpoint sets as a whole, or changes nothing.
+
+With the experts spread, one save writes NAME-shared.pt and NAME-rank-R.pt for each name it saves
+(checkpoint_last, checkpoint_E_U, ...: expert_checkpoint.py), and retires the sets that fairseq's --keep-*
+rules drop. Its steps on every rank, and what a kill -9 or a full disk at each one leaves:
+
+1. write   each rank writes its files under staged names (NAME-rank-R.pt.SAVEID.staged) and flushes them
+           to disk (fsync). Stopped here: the previous sets are untouched; recover() removes the staged files.
+2. agree   every rank tells every other whether its files are on disk, and which sets fairseq retired on
+           it (a gather). When one failed (a full disk), every rank removes its staged files and raises.
+3. commit  rank 0 writes the journal moe-commit-SAVEID.json (whole, by a rename, flushed): the names to
+           switch and the sets to retire. This is the commit point: from here on the save counts as made.
+4. switch  rank 0 renames the staged files over the old ones, then deletes the retired sets and the
+           journal. Stopped here: recover() (and, for its renames, any reader) redoes it from the journal.
+5. done    rank 0 tells every rank how the switch went (a second gather).
+
+recover() is called by rank 0 before a save and before a resume, when no rank writes; it alone deletes.
+A shared file system is assumed (rank 0 renames every rank's files), as loading a set already does.
+No fairseq import here: the collectives come in as a gather function (checkpoint.py gives torch's).
+"""
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+
+import torch
+
+from . import expert_checkpoint as shards
+from .errors import SaveError
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_folder(folder):
+    """Make the names created or removed in folder durable (where the file system allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fresh(path):
+    """Remove whatever has the name path (a left-over, or a link: never written through)."""
+    if os.path.lexists(path):
+        os.remove(path)
+
+
+def write_synced(obj, path):
+    """torch.save(obj) to the new file path, flushed to disk."""
+    _fresh(path)
+    with open(path, "xb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def copy_synced(src, dst):
+    _fresh(dst)
+    with open(src, "rb") as a, open(dst, "xb") as b:
+        shutil.copyfileobj(a, b, 1 << 22)
+        b.flush()
+        os.fsync(b.fileno())
+
+
+def _remove(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def write_journal(folder, save_id, world_size, commit, retire):
+    """Step 3: the commit point. commit, retire: set names (NAME, without the folder)."""
+    path = shards.journal_path(folder, save_id)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"save_id": save_id, "world_size": world_size, "commit": sorted(commit),
+                       "retire": sorted(retire)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_folder(folder)
+    return path
+
+
+def switch(folder, journal, path, renamed_all=None):
+    """Step 4, from the journal at path (every part can be redone): the staged files take their names,
+    rank files beyond the save's world size go (a set of an earlier, larger run); then (after
+    renamed_all(), when given) the retired sets go, their staged files of this save too, and the journal.
+    Returns the number of files renamed."""
+    W, renamed = journal["world_size"], 0
+    for name in journal["commit"]:
+        base = os.path.join(folder, name)
+        for staged, final in shards.committed_files(base, journal):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(staged, final)
+                renamed += 1
+        for old in shards.set_files(base):
+            rank = shards._SHARD.match(old).group("rank")
+            if rank is not None and int(rank) >= W:
+                _remove(old)
+    fsync_folder(folder)
+    if renamed_all is not None:
+        renamed_all()
+    for name in journal["retire"]:
+        base = os.path.join(folder, name)
+        for staged, _ in shards.committed_files(base, journal):
+            _remove(staged)
+        for old in shards.set_files(base):
+            _remove(old)
+    fsync_folder(folder)
+    _remove(path)
+    fsync_folder(folder)
+    return renamed
+
+
+def run_names(suffix):
+    """The file names of one run's checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
+    checkpoint_best, checkpoint.best_loss_3.21; with --checkpoint-suffix), as sets, files or temporaries."""
+    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "")
+                      + r"(-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp|\.[0-9a-f]{32}\.staged)?$")
+
+
+def recover(folder, suffix):
+    """What a stopped save left in folder, for one run's names (run_names): a committed save's switch is
+    finished, an uncommitted one's staged files are removed, and so are fairseq's NAME.pt.tmp. Called when
+    no rank writes (rank 0, before a save or a resume). Every action is one log line."""
+    if not os.path.isdir(folder):
+        return
+    for path, journal in shards.journals(folder):
+        n = switch(folder, journal, path)
+        logger.info("finished the save %s committed before a stop: %d file(s) renamed, sets %s in place%s",
+                    os.path.basename(path), n, ", ".join(journal["commit"]) or "none",
+                    f", {', '.join(journal['retire'])} retired" if journal["retire"] else "")
+    names = run_names(suffix)
+    for name in sorted(os.listdir(folder)):
+        m = names.match(name)
+        if shards.JOURNAL.match(name):  # (the readable ones are done and gone)
+            logger.warning("%s is named like a save's journal but does not read as one: left alone",
+                           os.path.join(folder, name))
+        elif m and m.group("tmp"):
+            _remove(os.path.join(folder, name))
+            logger.info("removed %s, left by a save that did not finish", name)
+
+
+class SetSave:
+    """One save of the sets of a run whose experts are spread, on one rank (steps 1-5 above).
+
+    gather(obj) -> [the obj of every rank, by rank], the same collective on every rank; save_id is the
+    same on every rank (drawn on rank 0). on_step(name), when given, is called at each step ("writing",
+    "written", "agreed", then on rank 0 "committed", "switched", and "done"): tests stop a rank there."""
+
+    def __init__(self, folder, save_id, rank, world_size, gather, on_step=None):
+        self.folder, self.save_id, self.rank, self.world_size = folder, save_id, rank, world_size
+        self.gather, self.on_step = gather, on_step
+        self.staged, self.retired = [], set()  # the final paths this rank staged; set names retired here
+        self.started = False
+
+    def _step(self, name):
+        if self.on_step is not None:
+            self.on_step(name)
+
+    def write(self, obj, final):
+        """Step 1 for one file: obj staged for the name final."""
+        if not self.started:
+            self.started = True
+            self._step("writing")
+        self.staged.append(final)
+        write_synced(obj, shards.staged_path(final, self.save_id))
+
+    def copy(self, src, dst):
+        """The staged file of src copied as the staged file of dst (fairseq's copies to more names)."""
+        self.staged.append(dst)
+        copy_synced(shards.staged_path(src, self.save_id), shards.staged_path(dst, self.save_id))
+
+    def retire(self, path):
+        """fairseq dropped path (one file of a set): the whole set goes, once the save is committed."""
+        self.retired.add(os.path.basename(shards.set_base(path)))
+
+    def listing(self, folder):
+        """The names in folder as they will be after this save: what fairseq's --keep-* rules count."""
+        names = set(os.listdir(folder))
+        here = os.path.abspath(folder)
+        return sorted(names | {os.path.basename(f) for f in self.staged if os.path.dirname(os.path.abspath(f)) == here})
+
+    def has(self, path):
+        return os.path.abspath(path) in {os.path.abspath(f) for f in self.staged}
+
+    def _discard(self):
+        for final in self.staged:
+            _remove(shards.staged_path(final, self.save_id))
+
+    def finish(self, error=None):
+        """Steps 2-5. error: this rank's failure in step 1, if any. Raises SaveError on every rank when the
+        save was not made (nothing of the previous sets changed then), or when its switch failed."""
+        self._step("written")
+        names = sorted({os.path.basename(shards.set_base(f)) for f in self.staged})
+        mine = {"error": None if error is None else _one_line(error), "names": names,
+                "retired": sorted(self.retired)}
+        reports = self.gather(mine)
+        self._step("agreed")
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+        if not failed and any(rep["names"] != reports[0]["names"] for rep in reports):
+            failed = [(r, f"staged {rep['names']}, rank 0 {reports[0]['names']}")
+                      for r, rep in enumerate(reports) if rep["names"] != reports[0]["names"]][:1]
+        if failed:
+            self._discard()
+            rank, why = failed[0]
+            raise SaveError(f"the checkpoint save of {', '.join(names) or 'nothing'} in {self.folder} failed on rank "
+                            f"{rank} of {self.world_size} ({why}); nothing was replaced: the previous checkpoints "
+                            f"are as they were") from error
+        outcome = None
+        if self.rank == 0:
+            outcome = self._commit_and_switch(reports)
+        outcome = self.gather(outcome)[0]
+        self._step("done")
+        if outcome is not None:
+            committed, why = outcome
+            if not committed:
+                self._discard()
+            raise SaveError(f"the checkpoint save in {self.folder} " + (
+                f"was committed but its switch failed on rank 0 ({why}); the next resume finishes it" if committed
+                else f"could not be committed on rank 0 ({why}); nothing was replaced"))
+
+    def _commit_and_switch(self, reports):
+        """Steps 3 and 4 on rank 0: None, or (committed?, why) when something failed."""
+        retire = set().union(*(rep["retired"] for rep in reports))
+        commit = set(reports[0]["names"]) - retire  # (a name written and dropped in the same save goes)
+        try:
+            path = write_journal(self.folder, self.save_id, self.world_size, commit, retire)
+        except Exception as e:
+            return False, _one_line(e)
+        self._step("committed")
+        try:
+            switch(self.folder, shards.read_journal(path), path, renamed_all=lambda: self._step("switched"))
+        except Exception as e:
+            return True, _one_line(e)
+        logger.info("committed the checkpoint sets %s (%d ranks)%s", ", ".join(sorted(commit)), self.world_size,
+                    f"; retired {', '.join(sorted(retire))}" if retire else "")
+        return None
+
+
+def _one_line(e):
+    return f"{type(e).__name__}: {e}".splitlines()[0]

@@ -1,0 +1,221 @@
+"""commit.py: a save of W ranks replaces the previous sets as a whole, whichever rank is killed at
+whichever step, or when one rank's disk is full.
+
+W processes (forked, so no import costs) with a gloo group save twice what a run with
+--save-interval-updates 2 --keep-interval-updates 1 saves, the way checkpoint.py drives commit.SetSave:
+each rank writes its file of checkpoint_1_U (rank 0 the shared file too), copies it to checkpoint_last
+and retires checkpoint_1_{U-2}. In the second save one rank is killed with SIGKILL at one step, or writes
+under a file-size limit. Then the folder, recovered as a resume recovers it, must hold for every name a
+complete set, byte-identical to the files of the first save or of the second (which one is fixed by the
+step), that loads to exactly the state saved, and nothing else.
+"""
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import resource
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from fairseq_moe import commit
+from fairseq_moe import expert_checkpoint as shards
+from fairseq_moe.errors import SaveError
+from fairseq_moe.moe.comm import local_experts
+
+E = 4
+EXPERTS = {"layer.experts.w1": (E, 3, 5), "layer.experts.b1": (E, 5)}
+ORDER = ["shared.weight", *EXPERTS]
+NAMES = ("checkpoint_1_{}", "checkpoint_last")
+
+
+def full_state(updates):
+    """What a 1-process trainer would save at this update: model and Adam state (the data fix the update)."""
+    g = torch.Generator().manual_seed(updates)
+    shapes = {"shared.weight": (6, 3), **EXPERTS}
+    return {"model": {n: torch.randn(shapes[n], generator=g) for n in ORDER},
+            "last_optimizer_state": {"state": {i: {"step": torch.tensor(float(updates)),
+                                                   "exp_avg": torch.randn(shapes[n], generator=g)}
+                                               for i, n in enumerate(ORDER)},
+                                     "param_groups": [{"params": [0, 1, 2]}]},
+            "optimizer_history": [{"num_updates": updates}], "extra_state": {}}
+
+
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def save_once(folder, rank, W, updates, gather, on_step=None):
+    """One save of rank `rank`, as checkpoint.py makes it."""
+    save_id = gather(shards.new_save_id())[0]
+    sets = commit.SetSave(folder, save_id, rank, W, gather, on_step)
+    spread = {n: local_experts(E, W, rank) for n in EXPERTS}
+    info = shards.manifest(updates, save_id, W, {n: E for n in EXPERTS}, {n: ORDER.index(n) for n in EXPERTS}, W)
+    state = shards.cut_for_rank(dict(full_state(updates), extra_state={"moe_checkpoint": info}),
+                                {n: (f, c, E) for n, (f, c) in spread.items()})
+    shared, mine = shards.split(state, spread, rank, info)
+    first, last = (os.path.join(folder, n.format(updates)) for n in NAMES)
+    error = None
+    try:
+        sets.write(mine, first + f"-rank-{rank}.pt")
+        if rank == 0:
+            sets.write(shared, shards.shared_path(first))
+        # What was written, for the test to compare with (recorded before the agreement).
+        written = {os.path.basename(f): sha(shards.staged_path(f, save_id)) for f in sets.staged}
+        with open(os.path.join(folder, "..", f"written-{updates}-{rank}.json"), "w") as f:
+            json.dump(written, f)
+        sets.copy(first + f"-rank-{rank}.pt", last + f"-rank-{rank}.pt")
+        if rank == 0:
+            sets.copy(shards.shared_path(first), shards.shared_path(last))
+        if updates > 2:  # --keep-interval-updates 1
+            sets.retire(os.path.join(folder, NAMES[0].format(updates - 2) + f"-rank-{rank}.pt"))
+    except OSError as e:
+        error = e
+    sets.finish(error)
+
+
+def half_a_file_then_die(obj, f, *args, **kwargs):
+    buffer = io.BytesIO()
+    torch.serialization.save(obj, buffer)  # (the module's own: torch.save is this function here)
+    f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_main(folder, rank, W, port, fault, victim):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=timedelta(seconds=30))
+
+    def gather(obj):
+        out = [None] * W
+        dist.all_gather_object(out, obj)
+        return out
+
+    save_once(folder, rank, W, 2, gather)
+    gather(None)  # the first save is done everywhere
+    on_step = None
+    if rank == victim:
+        if fault == "mid-write":
+            torch.save = half_a_file_then_die
+        elif fault == "disk full":
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+        else:
+            on_step = lambda step: step == fault and os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    try:
+        save_once(folder, rank, W, 4, gather, on_step)
+        outcome = "saved"
+    except SaveError as e:
+        outcome = f"SaveError: {e}"
+    with open(os.path.join(folder, "..", f"outcome-{rank}"), "w") as f:
+        f.write(outcome)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, W, fault, victim):
+    folder = tmp_path / "save"
+    folder.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(str(folder), r, W, port, fault, victim)) for r in range(W)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60
+    for p in procs:  # the survivors of a kill fail in their next collective; a launcher stops any that wait
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return folder, [p.exitcode for p in procs]
+
+
+# Which save the folder holds after a kill at each step: the commit (rank 0's journal) decides.
+RANK_0_STEPS = {"writing": 2, "mid-write": 2, "written": 2, "agreed": 2, "committed": 4, "switched": 4, "done": 4}
+OTHER_STEPS = {"writing": 2, "mid-write": 2, "written": 2, "agreed": 4, "done": 4}
+
+
+def cases(W):
+    out = [(0, step, expect) for step, expect in RANK_0_STEPS.items()]
+    out += [(r, step, expect) for r in range(1, W) for step, expect in OTHER_STEPS.items()]
+    return out + [(r, "disk full", 2) for r in range(W)]
+
+
+def check_folder(tmp_path, folder, W, expect):
+    """After recovery: one complete set per name, all of the save `expect`, byte for byte, nothing else."""
+    commit.recover(str(folder), "")
+    names = (NAMES[0].format(expect), NAMES[1])  # (checkpoint_1_2 retired by the second save)
+    assert sorted(os.listdir(folder)) == sorted(f"{n}-{part}.pt" for n in names
+                                                for part in ["shared"] + [f"rank-{r}" for r in range(W)])
+    written = {}
+    for r in range(W):
+        with open(tmp_path / f"written-{expect}-{r}.json") as f:
+            written.update(json.load(f))
+    for name in names:
+        base = str(folder / name)
+        shards.check_set(base)
+        for path in shards.set_files(base):
+            interval = os.path.basename(path).replace(NAMES[1], NAMES[0].format(expect))
+            assert sha(path) == written[interval], path
+        state = shards.assemble(base)
+        ref = full_state(expect)
+        torch.testing.assert_close(state["model"], ref["model"], rtol=0, atol=0)
+        torch.testing.assert_close(state["last_optimizer_state"]["state"], ref["last_optimizer_state"]["state"],
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("W", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_save_is_made_whole_or_not_at_all(tmp_path, W):
+    for victim, fault, expect in cases(W):
+        case = tmp_path / f"rank{victim}-{fault.replace(' ', '-')}"
+        case.mkdir()
+        folder, codes = run_ranks(case, W, fault, victim)
+        msg = f"rank {victim} {fault}: exit codes {codes}"
+        if fault == "disk full":
+            assert codes == [0] * W, msg
+            outcomes = [(case / f"outcome-{r}").read_text() for r in range(W)]
+            assert all(o.startswith("SaveError: ") and f"failed on rank {victim} of {W}" in o
+                       and "File too large" in o for o in outcomes), outcomes
+            assert not [n for n in os.listdir(folder) if n.endswith(".staged")], msg  # each rank took its own back
+        else:
+            assert codes[victim] == -signal.SIGKILL, msg
+        check_folder(case, folder, W, expect)
+
+
+def test_a_reader_finishes_the_renames_of_a_committed_save(tmp_path):
+    """Rank 0 killed after the commit: fairseq-generate (resolve) reads the new set without a resume."""
+    folder, _ = run_ranks(tmp_path, 2, "committed", 0)
+    assert any(n.endswith(".staged") for n in os.listdir(folder))
+    base = str(folder / "checkpoint_last")
+    assert shards.resolve(base + ".pt")[:2] == ("set", base)
+    shards.check_set(base)
+    assert shards.assemble(base)["optimizer_history"][-1]["num_updates"] == 4
+    assert [n for n in os.listdir(folder) if n.startswith("moe-commit-")]  # the deletions wait for a resume
+    check_folder(tmp_path, folder, 2, 4)
+
+
+def test_recover_leaves_what_is_not_a_stopped_save_of_this_run(tmp_path):
+    """Staged files and temporaries of this run's names go; a partial set (no rank-0 file: being copied in),
+    other runs' names and suffixes, and a file merely named like a journal stay."""
+    stale = ["checkpoint_last.pt.tmp", "checkpoint_1_4-rank-1.pt.tmp", "checkpoint3-shared.pt.tmp",
+             f"checkpoint_last-rank-1.pt.{'a' * 32}.staged", f"checkpoint.best_loss_3.21-shared.pt.{'b' * 32}.staged"]
+    kept = ["checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-1.pt", "checkpoint_1_4-rank-0.pt",
+            "notes.pt.tmp", "mycheckpoint_last.pt.tmp", "checkpoint_last.pt", "model-rank-1.pt",
+            "checkpoint_last-x.pt.tmp", f"model.pt.{'c' * 32}.staged", f"moe-commit-{'d' * 32}.json"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    commit.recover(str(tmp_path), "")
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
