@@ -168,10 +168,10 @@ class SetSave:
 
     def write(self, obj, final):
         """Step 1 for one file: obj staged for the name final."""
+        self.staged.append(final)
         if not self.started:
             self.started = True
             self._step("writing")
-        self.staged.append(final)
         write_synced(obj, shards.staged_path(final, self.save_id))
 
     def copy(self, src, dst):

@@ -29,7 +29,8 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
-from .reshard import refuse_existing, run_tool, write_new
+from .new_files import refuse_existing, write_new
+from .reshard import run_tool
 from .upcycle import moe_checkpoint, section
 
 _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."

@@ -8,10 +8,13 @@ same way (the plugin's torchrun-on-CPU path, compat.torchrun_on_cpu), with a few
 It adds: gloo and legacy_ddp unless the command chooses; OMP_NUM_THREADS split over the ranks
 (oversubscribed cores slow training tenfold); when a rank fails, the others get SETTLE_SECONDS to end,
 then are stopped, so none waits forever in a collective; SIGTERM, SIGINT and SIGHUP are passed on to
-every rank, and ranks still running --grace-seconds later are killed; a usage error is printed by rank 0
-alone (FAIRSEQ_MOE_LAUNCH_RANK, read by cli.py). On GPUs use torchrun or Slurm as usual.
+every rank, and ranks still running --grace-seconds later are killed; the ranks die with the launcher,
+however it ends (SIGKILL included: Linux's parent-death signal), so none trains on alone into the folder
+of a relaunch; a usage error is printed by rank 0 alone (FAIRSEQ_MOE_LAUNCH_RANK, read by cli.py). On GPUs
+use torchrun or Slurm as usual.
 """
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -23,6 +26,20 @@ import time
 SETTLE_SECONDS = 5  # after a rank fails, before the others are stopped
 GRACE_SECONDS = 30  # default time ranks get to exit (and save) after a stop, before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with(parent):
+    """The preexec_fn of every rank: the kernel sends the rank SIGKILL when its parent, the launcher, ends,
+    whatever ends it (a launcher that died before this ran is seen at once). Only ctypes' prctl, loaded
+    before the fork, runs between fork and exec."""
+    def preexec():
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
 
 
 def free_port():
@@ -84,7 +101,7 @@ def main(argv=None):
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
                    FAIRSEQ_MOE_LAUNCH_RANK=str(rank))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        procs.append(subprocess.Popen(cmd, env=env))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with(os.getpid())))
     return wait_all(procs, received, args.grace_seconds)
 
 

@@ -22,46 +22,85 @@ import re
 import sys
 from pathlib import Path
 
+from .new_files import refuse_existing, write_new
+
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 
 
 def read_stats(path):
-    """The records of a --moe-stats-file, in update order."""
-    records = []
-    with open(path, encoding="utf-8") as f:
+    """The records of a --moe-stats-file, in update order; a line that is not one, or a layer whose expert
+    count changes from line to line, is an error naming the file and the line."""
+    records, experts = [], {}
+    with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not a statistics line ({e})") from None
-    if any(not isinstance(r, dict) or "update" not in r or "layers" not in r for r in records):
-        raise ValueError(f"{path}: not a --moe-stats-file (a line without 'update' and 'layers')")
-    return sorted(records, key=lambda r: r["update"])
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a statistics line ({e})") from None
+            if not isinstance(r, dict) or "update" not in r or "layers" not in r:
+                raise ValueError(f"{where}: not a --moe-stats-file line (no 'update' and 'layers')")
+            if not _is_number(r["update"]) or not isinstance(r["layers"], dict) or not isinstance(
+                    r.get("dropped", {}), dict):
+                raise ValueError(f"{where}: 'update' is no number, or 'layers'/'dropped' is no mapping")
+            for name, shares in r["layers"].items():
+                if not isinstance(shares, list) or not shares or not all(_is_number(x) for x in shares):
+                    raise ValueError(f"{where}: layer {name}: the shares are not a list of numbers")
+                if experts.setdefault(name, len(shares)) != len(shares):
+                    raise ValueError(f"{where}: layer {name} has {len(shares)} experts here, {experts[name]} "
+                                     f"on earlier lines (two runs' statistics in one file?)")
+            if not all(_is_number(v) for v in r.get("dropped", {}).values()):
+                raise ValueError(f"{where}: a 'dropped' value is no number")
+            records.append(r)
+    return sorted(records, key=lambda r: float(r["update"]))
+
+
+# A tee'd log tags each line (`| INFO | train_inner | ...`); --log-file writes the bare messages.
+_TAGGED = re.compile(r"\| (train_inner|valid|train) \| (.*)$")
+_BARE_TRAIN = re.compile(r"^epoch \d+:\s+\d+ / \d+ ")  # simple: "epoch 001:  50 / 603 loss=12.7, ..."
+_BARE_VALID = re.compile(r"^epoch \d+ \| valid on ")   # simple: "epoch 001 | valid on 'valid' subset | ..."
+
+
+def _classify(line):
+    """(train_inner | valid | json | None, the logged part) of one log line."""
+    tag = _TAGGED.search(line)
+    if tag is not None:
+        return (None if tag.group(1) == "train" else tag.group(1)), tag.group(2).strip()
+    body = line.strip()
+    if body.startswith("{"):
+        return "json", body
+    return ("train_inner" if _BARE_TRAIN.match(body) else "valid" if _BARE_VALID.match(body) else None), body
 
 
 def read_log(path):
-    """(train_inner rows, valid rows) of a fairseq-train log: dicts of the logged numbers, with num_updates."""
+    """(train_inner rows, valid rows) of a fairseq-train log, in either --log-format (simple, json), tee'd
+    or as --log-file writes it: dicts of the logged numbers, with num_updates."""
     train, valid = [], []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            tag = re.search(r"\| (train_inner|valid) \| (.*)$", line)
-            if tag is None:
+            kind, body = _classify(line)
+            if kind is None:
                 continue
-            body = tag.group(2).strip()
             if body.startswith("{"):  # --log-format json
                 try:
-                    # (valid lines name their numbers valid_loss, valid_num_updates, ...)
-                    row = {re.sub(r"^valid_", "", k): float(v) for k, v in json.loads(body).items() if _is_number(v)}
+                    data = json.loads(body)
                 except json.JSONDecodeError:
                     continue
-                row.setdefault("num_updates", row.get("update", math.nan))
-            elif tag.group(1) == "train_inner":  # simple: "epoch 001:  50 / 603 loss=12.7, ..., num_updates=50"
+                if not isinstance(data, dict):
+                    continue
+                if kind == "json":  # untagged: valid lines name their numbers valid_*, epoch summaries train_*
+                    if any(k.startswith("train_") for k in data):
+                        continue
+                    kind = "valid" if any(k.startswith("valid_") for k in data) else "train_inner"
+                row = {re.sub(r"^valid_", "", k): float(v) for k, v in data.items() if _is_number(v)}
+            elif kind == "train_inner":  # simple: "epoch 001:  50 / 603 loss=12.7, ..., num_updates=50"
                 row = {k: float(v) for k, v in re.findall(rf"(\w+)=({_NUMBER})\b", body)}
             else:  # simple: "epoch 001 | valid on 'valid' subset | loss 9.1 | ... | num_updates 603"
                 row = {k: float(v) for k, v in re.findall(rf"\| (\w+) ({_NUMBER})(?= \||$)", " | " + body)}
             if "num_updates" in row and not math.isnan(row["num_updates"]):
-                (train if tag.group(1) == "train_inner" else valid).append(row)
+                (train if kind == "train_inner" else valid).append(row)
     return train, valid
 
 
@@ -88,30 +127,38 @@ def _grid(plt, n, title):
     return fig, list(axes.flat[:n])
 
 
-def _save(plt, fig, path, drawn):
+def _save(plt, fig, path, drawn, save):
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save(fig, str(path), dump=lambda fig, f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     drawn[path.name] = [(ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes if ax.get_visible()]
 
 
+PICTURES = ("expert_load.png", "dropped.png", "balance_loss.png", "loss.png")
+
+
 def plot_run(stats_file, log_file, out_dir, title=""):
-    """Write the PNGs (those whose data exists) into out_dir; returns {file name: [(title, x label, y label)
-    of each panel]} and prints a line per picture skipped."""
+    """Write the PNGs (those whose data exists) into out_dir, as new files (one there already, or a link,
+    is refused before any work: new_files); returns {file name: [(title, x label, y label) of each panel]}
+    and prints a line per picture skipped."""
+    out_dir = Path(out_dir)
+    refuse_existing([str(out_dir / name) for name in PICTURES], "OUT_DIR")
+    return write_new(str(out_dir / PICTURES[0]), lambda save: _plot(stats_file, log_file, out_dir, title, save))
+
+
+def _plot(stats_file, log_file, out_dir, title, save):
     import matplotlib
 
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     drawn = {}
     records = read_stats(stats_file) if stats_file else []
     names = sorted({n for r in records for n in r["layers"]}, key=_layer_order)
     if names:
         fig, axes = _grid(plt, len(names), f"Expert load per MoE layer {title}".strip())
         for ax, name in zip(axes, names):
-            rows = [(r["update"], r["layers"][name]) for r in records if name in r["layers"]]
+            rows = [(float(r["update"]), r["layers"][name]) for r in records if name in r["layers"]]
             updates = [u for u, _ in rows]
             shares = list(zip(*[s for _, s in rows]))  # one series per expert
             cmap = plt.get_cmap("tab10" if len(shares) <= 10 else "tab20")
@@ -121,7 +168,7 @@ def plot_run(stats_file, log_file, out_dir, title=""):
                 ax.axhline(k / len(shares), color="white", lw=0.5, ls=":")
             ax.set(title=name, xlabel="update", ylabel="share of assignments", ylim=(0, 1))
         axes[0].legend(fontsize=7, ncol=4, loc="upper left")
-        _save(plt, fig, out_dir / "expert_load.png", drawn)
+        _save(plt, fig, out_dir / "expert_load.png", drawn, save)
 
         fig, axes = _grid(plt, 1, f"Dropped at capacity {title}".strip())
         for name in names:
@@ -129,7 +176,7 @@ def plot_run(stats_file, log_file, out_dir, title=""):
             axes[0].plot([u for u, _ in rows], [d for _, d in rows], label=name)
         axes[0].set(title="per MoE layer", xlabel="update", ylabel="fraction of assignments dropped")
         axes[0].legend(fontsize=7)
-        _save(plt, fig, out_dir / "dropped.png", drawn)
+        _save(plt, fig, out_dir / "dropped.png", drawn, save)
     else:
         print(f"| no expert statistics{f' in {stats_file}' if stats_file else ''}: expert_load.png and "
               f"dropped.png skipped")
@@ -144,7 +191,7 @@ def plot_run(stats_file, log_file, out_dir, title=""):
             axes[0].plot([u for u, _ in rows], [v for _, v in rows], label=key, lw=2 if key == "moe_balance_loss" else 1)
         axes[0].set(title="training (each logged interval)", xlabel="update", ylabel="balance loss (1 = balanced)")
         axes[0].legend(fontsize=7)
-        _save(plt, fig, out_dir / "balance_loss.png", drawn)
+        _save(plt, fig, out_dir / "balance_loss.png", drawn, save)
     if any("loss" in r for r in train + valid):
         fig, axes = _grid(plt, 1, f"Loss {title}".strip())
         for rows, label in ((train, "training"), (valid, "validation")):
@@ -153,7 +200,7 @@ def plot_run(stats_file, log_file, out_dir, title=""):
                 axes[0].plot(*zip(*points), label=label, marker="o" if label == "validation" else None)
         axes[0].set(title="as fairseq logs it", xlabel="update", ylabel="loss (base 2)")
         axes[0].legend()
-        _save(plt, fig, out_dir / "loss.png", drawn)
+        _save(plt, fig, out_dir / "loss.png", drawn, save)
     if not (balance_keys or train or valid):
         print(f"| no training log lines{f' in {log_file}' if log_file else ''}: balance_loss.png and loss.png skipped")
     return drawn

@@ -10,13 +10,8 @@ is checked (expert_checkpoint.read_set); existing files are never overwritten, a
 leaves no output behind.
 """
 import argparse
-import contextlib
-import os
 import pickle
-import re
-import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -24,6 +19,7 @@ from . import expert_checkpoint as shards
 from . import safe_eval
 from .checkpoint import register_safe_globals
 from .moe.comm import expert_parallel_size
+from .new_files import one_line, refuse_existing, write_new
 
 
 def read_any(path):
@@ -55,103 +51,6 @@ def _check_state(state, src):
     return experts
 
 
-def _publish(tmp, path):
-    """Give the written file tmp the name path, unless something has that name (a dangling link too)."""
-    exists = FileExistsError(f"{path} appeared while this command was writing (nothing is overwritten)")
-    try:
-        os.link(tmp, path)  # atomic, and fails when path exists
-    except FileExistsError:
-        raise exists from None
-    except OSError:  # no hard links on this file system: check, then rename
-        if os.path.lexists(path):
-            raise exists from None
-        os.rename(tmp, path)
-
-
-class Writer:
-    """Writes each output whole (in a fresh private folder beside it, then linked to its name), never over
-    anything, and can take back what it published."""
-
-    staging = None  # the private folder, made at the first save: new, so nothing in it is a link
-
-    def __init__(self):
-        self.published = []  # (path, (st_dev, st_ino)) of the files this command created
-
-    def save(self, obj, path):
-        try:
-            if self.staging is None:
-                self.staging = tempfile.mkdtemp(prefix=".reshard-", dir=os.path.dirname(os.path.abspath(path)))
-            tmp = os.path.join(self.staging, os.path.basename(path))
-            with open(tmp, "xb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-                st = os.fstat(f.fileno())
-        except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-            raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
-        _publish(tmp, path)
-        self.published.append((path, (st.st_dev, st.st_ino)))
-
-    def undo(self):
-        """Remove the files this command published, each only while it is still the file written."""
-        removed = []
-        for path, ident in reversed(self.published):
-            with contextlib.suppress(OSError):
-                st = os.lstat(path)
-                if (st.st_dev, st.st_ino) == ident:
-                    os.unlink(path)
-                    removed.append(path)
-        return removed
-
-    def close(self):
-        if self.staging is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            self.staging = None
-
-
-def _make_folder(folder):
-    """os.makedirs(folder); returns the folders it created, deepest first."""
-    created, f = [], folder
-    while not os.path.lexists(f) and os.path.dirname(f) != f:
-        created.append(f)
-        f = os.path.dirname(f)
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"{folder}: cannot create the output folder ({e.strerror or e})") from e
-    return created
-
-
-def refuse_existing(paths):
-    """Raise FileExistsError for the first of paths that exists (a dangling link too): nothing is overwritten."""
-    existing = [p for p in paths if os.path.lexists(p)]
-    if existing:
-        what = " (a symbolic link)" if os.path.islink(existing[0]) else ""
-        raise FileExistsError(f"{existing[0]} exists{what}; choose another OUT (nothing is overwritten)")
-
-
-def write_new(out, write):
-    """write(save) with save(obj, path) writing one new file beside out each: whole files or none. On any
-    failure the files written so far and the folders made for them are removed again."""
-    created = _make_folder(os.path.dirname(os.path.abspath(out)))
-    writer = Writer()
-    try:
-        return write(writer.save)
-    except BaseException as e:
-        removed = writer.undo()
-        writer.close()
-        for folder in created:
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only when empty
-        if removed and isinstance(e, (ValueError, OSError)):
-            kind = next(k for k in (FileExistsError, OSError, ValueError) if isinstance(e, k))
-            raise kind(f"{one_line(e)}; removed the {len(removed)} file(s) this command had written "
-                       f"({', '.join(removed)})") from e
-        raise
-    finally:
-        writer.close()
-
-
 def reshard(src, out, world_size):
     if not out.endswith(".pt"):
         raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
@@ -166,14 +65,6 @@ def reshard(src, out, world_size):
     for E in set(experts.values()):
         expert_parallel_size(E, world_size)  # names the flags when E and W' do not fit
     return write_new(out, lambda save: shards.write(state, out, world_size, save=save))
-
-
-def one_line(e):
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        msg = f"{e.filename}: {e.strerror}"
-    else:
-        msg = str(e)
-    return re.sub(r"\s*[\r\n]+\s*", " ", msg).strip()
 
 
 def run_tool(prog, work, report):

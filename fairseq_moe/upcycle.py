@@ -33,7 +33,8 @@ from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
 from .moe.config import ACTIVATIONS
-from .reshard import refuse_existing, run_tool, write_new
+from .new_files import refuse_existing, write_new
+from .reshard import run_tool
 
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}

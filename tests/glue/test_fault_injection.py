@@ -142,30 +142,6 @@ def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
                                  "--restore-file", source))
 
 
-def test_a_save_removes_what_a_killed_save_left(tmp_path):
-    """Stray temporaries of checkpoint files and sets whose rank-0 file is gone go at the start of the next
-    save (rank 0); complete sets, other names and other suffixes stay."""
-    from fairseq_moe.checkpoint import remove_leftovers
-
-    stale = ["checkpoint_last.pt.tmp", "checkpoint_1_4-rank-1.pt.tmp", "checkpoint3-shared.pt.tmp",
-             "checkpoint.best_loss_3.21-rank-0.pt.tmp",
-             "checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-1.pt", "checkpoint_1_2-rank-3.pt",
-             "checkpoint_1_6-rank-1.pt"]  # rank 1's file of a save killed before rank 0 wrote
-    kept = ["checkpoint_1_4-shared.pt", "checkpoint_1_4-rank-0.pt", "checkpoint_1_4-rank-1.pt",
-            "checkpoint_1_8-rank-0.pt",  # a save killed before its shared file: the load names what is missing
-            "notes.pt.tmp", "mycheckpoint_last.pt.tmp", "checkpoint_last.pt", "model-rank-1.pt",
-            "checkpoint_1_2-rank-1.pt.bak", "checkpoint_last-other-rank-1.pt"]
-    for name in stale + kept:
-        (tmp_path / name).write_bytes(b"x")
-    remove_leftovers(str(tmp_path), "")
-    assert sorted(os.listdir(tmp_path)) == sorted(kept)
-
-    # With --checkpoint-suffix -x only that run's names are its own.
-    (tmp_path / "checkpoint_last-x.pt.tmp").write_bytes(b"x")
-    remove_leftovers(str(tmp_path), "-x")
-    assert sorted(os.listdir(tmp_path)) == sorted(kept)
-
-
 def launch_2(data_bin, save, *extra):
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *extra)]
@@ -194,42 +170,107 @@ def test_two_ranks_print_one_error_line_and_exit_2(data_bin, trained_checkpoint,
         assert "saved with 4 experts" in errors[0] and "--moe-expert-count 2" in errors[0]
 
 
-# fairseq-train in which rank 1 is slow to write one file: it waits, then records what the folder holds.
-SLOW_RANK_1 = """
-import json, os, sys, time
-from fairseq import checkpoint_utils
-seen, save = sys.argv[1], checkpoint_utils.torch_persistent_save
-def slow(obj, filename, *args, **kwargs):
-    if os.environ.get("RANK") == "1" and filename.endswith("checkpoint_1_3-rank-1.pt"):
-        time.sleep(3)  # without the barrier, rank 0 deletes the older set meanwhile
-        json.dump(sorted(os.listdir(os.path.dirname(filename))), open(seen, "w"))
-    return save(obj, filename, *args, **kwargs)
-checkpoint_utils.torch_persistent_save = slow
+# fairseq-train with a fault in one rank's save of checkpoint_1_4: FAULT RANK USER_DIR, then fairseq-train's argv.
+FAULTY = """
+import os, resource, signal, sys
+import fairseq  # first: importing the plugin (from the --user-dir fairseq will name) then registers it
+fault, victim, user_dir = sys.argv[1:4]
+sys.path.insert(0, os.path.dirname(user_dir))
+from fairseq_moe import commit
+mine = lambda path: os.environ.get("RANK") == victim and "checkpoint_1_4" in path
+write, step = commit.write_synced, commit.SetSave._step
+def faulty_write(obj, path):
+    if mine(path) and fault == "mid-write":
+        with open(path, "wb") as f:
+            f.write(b"PK half a file")
+            f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mine(path) and fault == "disk full":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+    return write(obj, path)
+def faulty_step(self, name):
+    if name == fault and any(mine(f) for f in self.staged):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self, name)
+commit.write_synced, commit.SetSave._step = faulty_write, faulty_step
 from fairseq_cli.train import cli_main
-sys.argv = ["fairseq-train"] + sys.argv[2:]
+sys.argv = ["fairseq-train"] + sys.argv[4:]
 cli_main()
 """
 
+SAVES = (*ARGS, "--max-tokens", "100", "--save-interval-updates", "2", "--keep-interval-updates", "1",
+         "--max-update", "6")
+
+
+def launch_faulty(data_bin, save, fault, victim, tmp_path):
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5", "--",
+           sys.executable, str(script), fault, str(victim), USER_DIR, *train_argv(data_bin, save, *SAVES)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference_losses(data_bin, tmp_path_factory):
+    from .test_resume import losses
+
+    out = launch_2(data_bin, tmp_path_factory.mktemp("reference"), *SAVES)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return losses(out.stdout + out.stderr)
+
 
 @pytest.mark.slow
-def test_no_rank_deletes_an_old_set_before_every_rank_has_written(data_bin, tmp_path):
-    """--keep-interval-updates 1: the set of update 2 stays whole until every rank has written the set of
-    update 3, so a kill in between always leaves one complete interval set."""
-    import json
+@pytest.mark.parametrize("fault, victim, resumes_at", [
+    ("mid-write", 1, 2),   # a rank killed while it writes: the save of update 4 never happened
+    ("committed", 0, 4),   # rank 0 killed after the commit, before any rename: the resume finishes it
+    ("disk full", 1, 2),   # a file-size limit on rank 1: every rank stops with one line, nothing replaced
+])
+def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, reference_losses, fault, victim,
+                                                         resumes_at):
+    """fairseq-train on 2 ranks, --keep-interval-updates 1, a fault in the save of update 4: the folder
+    holds the complete set of update 2 or of update 4, and resuming gives the losses of a run without
+    the fault."""
+    from .test_resume import losses
 
-    script, seen = tmp_path / "slow.py", tmp_path / "seen.json"
-    script.write_text(SLOW_RANK_1)
     save = tmp_path / "save"
-    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", sys.executable, str(script),
-           str(seen), *train_argv(data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
-                                  "--keep-interval-updates", "1", "--max-tokens", "100")]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         timeout=600)
+    out = launch_faulty(data_bin, save, fault, victim, tmp_path)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    if fault == "disk full":
+        errors = [line for line in log.splitlines() if ": error: " in line]
+        assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+        assert "failed on rank 1 of 2" in errors[0] and "File too large" in errors[0], errors
+        assert "nothing was replaced" in errors[0]
+    before = snapshot(save)
+    resumed = launch_2(data_bin, save, *SAVES)
+    log_resumed = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log_resumed[-3000:]
+    b = losses(log_resumed)
+    assert sorted(b) == list(range(resumes_at + 1, 7)), sorted(b)
+    assert b == {u: reference_losses[u] for u in b}
+    last = shards.assemble(str(save / "checkpoint_last"))
+    assert [h["num_updates"] for h in last["optimizer_history"]][-2:] == [resumes_at, 6]
+    interval = sorted(n for n in os.listdir(save) if n.startswith("checkpoint_1_"))
+    assert interval == [f"checkpoint_1_6-{p}.pt" for p in ("rank-0", "rank-1", "shared")], interval
+    if fault != "committed":  # the set resumed from was on disk as it was saved
+        resumed_from = {k: v for k, v in before.items() if k.startswith("checkpoint_1_2")}
+        assert sorted(resumed_from) == [f"checkpoint_1_2-{p}.pt" for p in ("rank-0", "rank-1", "shared")]
+
+
+@pytest.mark.slow
+def test_a_set_this_run_did_not_write_survives_its_saves(data_bin, tmp_path):
+    """A partial set in the save folder (no rank-0 file: being copied in, or restored in part) is left alone
+    by every save; --keep-* only retires what its rules drop."""
+    save = tmp_path / "save"
+    save.mkdir()
+    for name in ("checkpoint_best_old-shared.pt", "checkpoint_1_99-rank-1.pt", "checkpoint3-shared.pt"):
+        (save / name).write_bytes(b"partial")
+    out = launch_2(data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
+                   "--keep-interval-updates", "5", "--max-tokens", "100")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    names = set(json.loads(seen.read_text()))
-    assert {"checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt", "checkpoint_1_2-rank-1.pt"} <= names, names
-    assert not any(n.startswith("checkpoint_1_2") for n in os.listdir(save))  # deleted after all wrote
-    assert shards.locate(str(save / "checkpoint_1_3.pt")) == ("set", str(save / "checkpoint_1_3"))
+    for name in ("checkpoint_best_old-shared.pt", "checkpoint_1_99-rank-1.pt", "checkpoint3-shared.pt"):
+        assert (save / name).read_bytes() == b"partial"
 
 
 @pytest.mark.slow

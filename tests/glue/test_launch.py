@@ -1,5 +1,6 @@
 """fairseq_moe.launch stops its ranks: a signal sent to the launcher reaches every rank, a rank that
-ignores it is killed after --grace-seconds, and a failed rank stops the others. No rank is left running.
+ignores it is killed after --grace-seconds, a failed rank stops the others, and the ranks die with a
+launcher killed by SIGKILL. No rank is left running.
 
 The ranks are tiny Python programs, not fairseq: each writes its pid to <dir>/<RANK> and sleeps. The
 launcher appends its distributed flags to their argv, where they are ignored. The launcher is loaded
@@ -95,7 +96,11 @@ def alive(pid):
         return False
     except PermissionError:  # the pid is another user's now
         return False
-    return True
+    try:  # a zombie (dead, not yet reaped by whoever inherited it) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def pids(folder):
@@ -178,3 +183,14 @@ def test_all_ranks_succeed(run, tmp_path):
     code, output = finish(run(mode="exit"))
     assert code == 0, output
     assert len(pids(tmp_path)) == NPROC
+
+
+@pytest.mark.parametrize("mode", ["sleep", "ignore-term"])
+def test_ranks_die_with_a_launcher_killed_by_sigkill(run, tmp_path, mode):
+    """SIGKILL cannot be passed on: the kernel stops the ranks (parent-death signal), even one that ignores
+    SIGTERM, so no orphan trains on into the folder of the next launch."""
+    launcher = run(mode=mode)
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.kill()
+    launcher.wait(TIMEOUT)
+    wait_for(lambda: not [pid for pid in ranks if alive(pid)], "the ranks to die with the launcher", timeout=5)

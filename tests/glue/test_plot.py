@@ -1,6 +1,8 @@
 """python -m fairseq_moe.plot on a tiny run: every picture written, non-empty, its axes labelled; the log
-reader takes both of fairseq's log formats; bad input is one line."""
+reader takes both of fairseq's log formats, tee'd or as --log-file writes them; bad input is one line, and
+nothing is written over a file or through a link."""
 import logging
+import os
 
 import pytest
 
@@ -34,10 +36,11 @@ def run_dir(data_bin, tmp_path_factory):
 def test_every_picture_of_a_run(run_dir, tmp_path, capsys):
     out = tmp_path / "png"
     assert plot.main([str(run_dir), str(out)]) == 0
-    drawn = plot.plot_run(run_dir / "load.jsonl", run_dir / "train.log", out)
+    drawn = plot.plot_run(run_dir / "load.jsonl", run_dir / "train.log", tmp_path / "again")
     assert sorted(drawn) == ["balance_loss.png", "dropped.png", "expert_load.png", "loss.png"]
     for name, panels in drawn.items():
         assert (out / name).stat().st_size > 5000, name  # a picture, not an empty canvas
+        assert (tmp_path / "again" / name).stat().st_size > 5000, name
         assert panels and all(x == "update" and y for _, x, y in panels), (name, panels)
     load_panels = [title for title, _, _ in drawn["expert_load.png"]]
     assert load_panels == ["encoder.layers.1.fc1", "decoder.layers.1.fc1"]
@@ -79,3 +82,73 @@ def test_bad_input_is_one_line(run_dir, tmp_path, capsys):
     fails(two, tmp_path / "out", match="--stats")
     (two / "b.jsonl").write_text('{"not": "stats"}\n')
     fails(two, tmp_path / "out", "--stats", two / "b.jsonl", match="not a --moe-stats-file")
+
+
+def test_log_file_lines_in_both_formats(tmp_path):
+    """--log-file writes the bare messages (no `| train_inner |` tag): simple and json."""
+    simple, js = tmp_path / "simple.log", tmp_path / "json.log"
+    simple.write_text(
+        "Start iterating over samples\n"
+        "epoch 001:      1 / 7 loss=5.976, nll_loss=5.95, moe_balance_loss=1.0995, num_updates=1, lr=0.003\n"
+        "epoch 001:      2 / 7 loss=5.542, nll_loss=5.457, moe_balance_loss=1.1391, num_updates=2, lr=0.003\n"
+        "epoch 001 | valid on 'valid' subset | loss 5.146 | nll_loss 5.021 | ppl 32.47 | num_updates 2\n"
+        "epoch 001 | loss 5.657 | nll_loss 5.589 | ppl 48.12 | num_updates 2 | lr 0.003\n")  # epoch summary
+    js.write_text(
+        '{"epoch": 1, "update": 0.143, "loss": "5.976", "moe_balance_loss": "1.0995", "num_updates": "1"}\n'
+        '{"epoch": 1, "valid_loss": "5.146", "valid_ppl": "32.47", "valid_num_updates": "2"}\n'
+        '{"epoch": 1, "train_loss": "5.657", "train_num_updates": "2"}\n')
+    train, valid = plot.read_log(simple)
+    assert [(r["num_updates"], r["loss"]) for r in train] == [(1, 5.976), (2, 5.542)]
+    assert [(r["num_updates"], r["loss"]) for r in valid] == [(2, 5.146)]
+    train, valid = plot.read_log(js)
+    assert [(r["num_updates"], r["loss"], r["moe_balance_loss"]) for r in train] == [(1, 5.976, 1.0995)]
+    assert [(r["num_updates"], r["loss"]) for r in valid] == [(2, 5.146)]
+
+
+def test_a_run_logged_with_log_file_gets_its_loss_pictures(data_bin, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    try:
+        run_train(train_argv(data_bin, run / "ckpt", "--max-update", "2", "--log-file", str(run / "train.log")))
+    finally:  # fairseq-train adds a handler for --log-file and never takes it off (a process ends first)
+        log = logging.getLogger("fairseq_cli.train")
+        for handler in [h for h in log.handlers if getattr(h, "baseFilename", "") == str(run / "train.log")]:
+            log.removeHandler(handler)
+            handler.close()
+    drawn = plot.plot_run(None, run / "train.log", tmp_path / "png")
+    assert sorted(drawn) == ["balance_loss.png", "loss.png"]
+
+
+@pytest.mark.parametrize("what", ["a file", "a link", "a dangling link"])
+def test_an_existing_picture_or_link_is_refused(run_dir, tmp_path, capsys, what):
+    out = tmp_path / "png"
+    out.mkdir()
+    target = tmp_path / "precious.png"
+    target.write_bytes(b"mine")
+    if what == "a file":
+        (out / "loss.png").write_bytes(b"mine")
+    else:
+        (out / "loss.png").symlink_to(target if what == "a link" else tmp_path / "gone.png")
+    assert plot.main([str(run_dir), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out / 'loss.png'} exists" in err and "OUT_DIR" in err, err
+    assert os.listdir(out) == ["loss.png"] and target.read_bytes() == b"mine"
+    assert what == "a file" or os.path.islink(out / "loss.png")
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"update": 1, "layers": {"l": [0.5, 0.5, 0, 0]}}', '{"update": 2, "layers": {"l": [0.5, 0.5]}}'],
+     ":2: layer l has 2 experts here, 4 on earlier lines"),
+    (['{"update": 1, "layers": {"l": "x"}}'], ":1: layer l: the shares are not a list of numbers"),
+    (['{"update": "soon", "layers": {}}'], ":1: 'update' is no number"),
+    (['{"update": 1, "layers": {"l": [1]}, "dropped": {"l": "x"}}'], ":1: a 'dropped' value is no number"),
+    (['[1, 2]'], ":1: not a --moe-stats-file line"),
+])
+def test_malformed_statistics_are_one_line(tmp_path, capsys, lines, match):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "load.jsonl").write_text("\n".join(lines) + "\n")
+    assert plot.main([str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err, err
+    assert not (tmp_path / "out").exists()
