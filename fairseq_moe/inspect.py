@@ -13,8 +13,9 @@ token). Routing is the model's own at evaluation (its eval top-k and capacity), 
 
 Writes DIR/routing.txt (per sentence of the first --show N and per layer: each token and its experts with
 their weights; per layer: each expert's share of the file's assignments and its most frequent tokens) and
-DIR/heatmap-LAYER.png (tokens x experts, the weights, for the first sentence). --layer L keeps one layer
-(its name, e.g. encoder.layers.1.fc1, or its position among the MoE layers, 0-based).
+DIR/heatmap-LAYER.png (tokens x experts, the weights, for the first sentence), as new files: one there
+already, or a link, is refused before any work. --layer L keeps one layer (its name, e.g.
+encoder.layers.1.fc1, or its position among the MoE layers, 0-based).
 """
 import argparse
 import contextlib
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlagError
+from .new_files import refuse_existing, write_new
 
 
 def load(checkpoint, data):
@@ -37,8 +39,37 @@ def load(checkpoint, data):
     if found is None:
         raise FlagError(f"{checkpoint}: no such checkpoint (nor the set {shards.set_base(str(checkpoint))}-shared.pt)")
     path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # (fairseq checks that the file exists)
-    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides={"data": data})
+    check_data(path, data)
+    try:
+        (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides={"data": data})
+    except RuntimeError as e:
+        if "size mismatch" not in str(e):
+            raise
+        raise FlagError(f"--data {data}: its dictionaries do not fit {checkpoint} (other sizes than the model's "
+                        f"embeddings): the data-bin of another corpus?") from None
     return model.eval(), task
+
+
+def check_data(path, data):
+    """--data holds the dictionaries the checkpoint's task reads (dict.SRC.txt and dict.TGT.txt for
+    translation, dict.txt for a language model), or one line says what is missing."""
+    from . import expert_checkpoint as shards
+
+    if not Path(data).is_dir():
+        raise FlagError(f"--data {data}: no such folder (the data-bin the checkpoint was trained on)")
+    cfg = (shards.read_file(path, mmap=True).get("cfg") or {}).get("task") or {}
+    if "source_lang" in cfg:  # translation; without the pair, fairseq infers it from the folder's dictionaries
+        langs = [cfg.get(k) for k in ("source_lang", "target_lang")]
+        pair = "-".join(lang or "?" for lang in langs)
+        missing = ([f"dict.{lang}.txt" for lang in langs if not (Path(data) / f"dict.{lang}.txt").is_file()]
+                   if None not in langs else [] if len(list(Path(data).glob("dict.*.txt"))) >= 2 else
+                   ["dict.SRC.txt and dict.TGT.txt"])
+        kind = f"a translation task ({pair})"
+    else:
+        missing, kind = [] if (Path(data) / "dict.txt").is_file() else ["dict.txt"], "a language model"
+    if missing:
+        raise FlagError(f"--data {data} has no {missing[0]}: the checkpoint is of {kind}; give the data-bin "
+                        f"it was trained on")
 
 
 def moe_layers(model, which=None):
@@ -113,7 +144,7 @@ def route_sentence(model, task, layers, src, tgt=None):
     return out
 
 
-def heatmap(png, name, rows, dictionary, num_experts):
+def heatmap(png, name, rows, dictionary, num_experts, save):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +161,7 @@ def heatmap(png, name, rows, dictionary, num_experts):
     ax.set(xlabel="expert", ylabel="token", title=name)
     fig.colorbar(image, ax=ax, label="routing weight")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save(fig, str(png), dump=lambda fig, f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -151,7 +182,18 @@ def inspect(checkpoint, data, input_file, out_dir, target_file=None, layer=None,
     if not lines:
         raise FlagError(f"--input {input_file} is empty")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FlagError(f"--out {out_dir} is a file, not a folder (nothing is overwritten)")
+    try:
+        refuse_existing([str(out_dir / n) for n in [f"heatmap-{name}.png" for name, _ in layers] + ["routing.txt"]],
+                        "--out")
+    except FileExistsError as e:
+        raise FlagError(str(e)) from None
+    return write_new(str(out_dir / "routing.txt"), lambda save: _inspect(
+        model, task, layers, spm, src_dict, lines, targets, out_dir, show, top, save))
+
+
+def _inspect(model, task, layers, spm, src_dict, lines, targets, out_dir, show, top, save):
     received = {name: defaultdict(Counter) for name, _ in layers}
     report = []
     for i, line in enumerate(lines):
@@ -168,7 +210,7 @@ def inspect(checkpoint, data, input_file, out_dir, target_file=None, layer=None,
                            + ("" if choices else "(dropped)") for token, choices in rows]
             if i == 0:
                 E = dict(layers)[name].cfg.num_experts
-                heatmap(out_dir / f"heatmap-{name}.png", f"{name}: sentence 1", rows, dictionary, E)
+                heatmap(out_dir / f"heatmap-{name}.png", f"{name}: sentence 1", rows, dictionary, E, save)
     report.append(f"\nover {len(lines)} sentences: each expert's share of the assignments and its {top} most "
                   f"frequent tokens")
     for name, experts in received.items():
@@ -178,7 +220,7 @@ def inspect(checkpoint, data, input_file, out_dir, target_file=None, layer=None,
             counts = experts.get(e, Counter())
             common = ", ".join(f"{tok} ({n})" for tok, n in counts.most_common(top))
             report.append(f"  expert {e:2d}  {100 * sum(counts.values()) / total:5.1f}%  {common}")
-    (out_dir / "routing.txt").write_text("\n".join(report) + "\n", encoding="utf-8")
+    save("\n".join(report) + "\n", str(out_dir / "routing.txt"), dump=lambda text, f: f.write(text.encode("utf-8")))
     return received
 
 

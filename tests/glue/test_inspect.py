@@ -63,3 +63,39 @@ def test_language_model_reads_eos_first(lm_data_bin, tmp_path):
     block = report.split("sentence 1, decoder.layers.1.fc1:\n")[1].split("\n")[:len(words) + 1]
     assert [row.split()[0] for row in block] == ["</s>"] + words
     assert all(len(re.findall(r"e\d:", row)) == 2 for row in block)
+
+
+@pytest.mark.parametrize("what", ["routing.txt", "a link to a file", "--out a file"])
+def test_nothing_is_written_over_a_file_or_through_a_link(trained_checkpoint, data_bin, tmp_path, capsys, what):
+    src = f"{data_bin}/../test.src"
+    out, precious = tmp_path / "out", tmp_path / "precious.txt"
+    precious.write_text("mine")
+    if what == "--out a file":
+        out = precious
+    else:
+        out.mkdir()
+        if what == "routing.txt":
+            (out / "routing.txt").write_text("mine")
+        else:
+            (out / "heatmap-encoder.layers.1.fc1.png").symlink_to(precious)
+    before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+    with pytest.raises(SystemExit) as e:
+        inspect.main([str(trained_checkpoint), "--data", data_bin, "--input", src, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--out" in err, err
+    assert ("is a file, not a folder" if what == "--out a file" else " exists") in err
+    assert precious.read_text() == "mine"
+    if before is not None:
+        assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_the_data_of_another_task_is_one_line(trained_checkpoint, lm_data_bin, tmp_path, capsys):
+    """A translation checkpoint with a language model's data-bin (no dict.src.txt), and with a folder that is
+    not there: one line naming --data, nothing written."""
+    text = f"{lm_data_bin}/../test.txt"
+    for data, match in ((lm_data_bin, "has no dict.SRC.txt and dict.TGT.txt"), (str(tmp_path / "none"), "no such folder")):
+        with pytest.raises(SystemExit) as e:
+            inspect.main([str(trained_checkpoint), "--data", data, "--input", text, "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and f"--data {data}" in err and match in err, err
+    assert not (tmp_path / "o").exists()
