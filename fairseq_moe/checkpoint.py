@@ -340,11 +340,12 @@ class LoadForRank:
         self.experts = {n: E for n, (_, _, E) in expert_params(trainer.get_model()).items()}
         # (the model's state-dict names: what a checkpoint holds, also under wrappers that flatten parameters)
         self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
+        self.model_cfg, self.log = trainer.cfg.model, trainer.data_parallel_rank == 0
 
     def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
         ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
         state = load_found(self.found, arg_overrides, want=ranges, experts=self.experts)
-        check_fits(state, self.model_keys, self.reset_optimizer, path)
+        check_fits(state, self.model_keys, self.reset_optimizer, path, self.experts, self.model_cfg, self.log)
         if self.spread:
             with shards.laid_out(path):
                 state = shards.cut_for_rank(state, self.spread)
@@ -353,12 +354,15 @@ class LoadForRank:
         return state
 
 
-def check_fits(state, model_keys, reset_optimizer, path):
-    """Before fairseq loads a state into the trainer: refuse, naming the cause, a checkpoint of another task
-    or dictionary (fairseq would stop at a size mismatch deep in load_state_dict), an upcycled or converted
-    one resumed as if it had an optimizer state, and one whose cosine gates predate the learned temperature
-    resumed with its optimizer state (the load hook adds parameters the saved Adam state has no entry for).
-    model_keys: {state-dict name: shape} of the model it loads into."""
+def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg=None, log=False):
+    """Before fairseq loads a state into the trainer: refuse, naming the cause, a checkpoint of another task,
+    dictionary or embedding width, MoE weights of other flags (fairseq would stop at a size mismatch or a
+    missing key deep in load_state_dict, once per rank), an upcycled or converted one resumed as if it had an
+    optimizer state, and one whose cosine gates predate the learned temperature resumed with its optimizer
+    state (the load hook adds parameters the saved Adam state has no entry for). Routing flags changed since
+    the save are said in one log line (log: this rank logs): the weights load, the routing follows the flags.
+    model_keys: {state-dict name: shape} of the model it loads into; experts: its {expert parameter: E}
+    (the model holds its own slice of them); model_cfg: this run's model config, to name changed flags."""
     model = state.get("model", {})
     embed = lambda keys: {n: tuple(keys[n]) for n in keys if n.endswith("embed_tokens.weight")}  # noqa: E731
     saved, mine = embed({n: t.shape for n, t in model.items()}), embed(model_keys)
@@ -367,21 +371,99 @@ def check_fits(state, model_keys, reset_optimizer, path):
         if encoder(saved) != encoder(mine):
             kinds = {True: "a translation model (encoder + decoder)", False: "a language model (decoder only)"}
             raise CheckpointError(f"{path} holds {kinds[encoder(saved)]}; this task trains {kinds[encoder(mine)]}")
-        for name in set(saved) & set(mine):
-            if saved[name] != mine[name]:
-                raise CheckpointError(f"{path}: its {name.split('.', 1)[0]} dictionary has {saved[name][0]} symbols, "
-                                      f"this task's has {mine[name][0]}: train with the data (and dict.*.txt) the "
-                                      f"checkpoint was trained on")
+        for name in sorted(set(saved) & set(mine)):
+            side = name.split(".", 1)[0]
+            if saved[name][0] != mine[name][0]:
+                raise CheckpointError(f"{path}: its {side} dictionary has {saved[name][0]} symbols, this task's has "
+                                      f"{mine[name][0]}: train with the data (and dict.*.txt) the checkpoint was "
+                                      f"trained on")
+            if saved[name][1:] != mine[name][1:]:
+                raise CheckpointError(f"{path}: its {side} embeddings are {saved[name][1]} wide, this model's "
+                                      f"{mine[name][1]} (--{side}-embed-dim {saved[name][1]} as saved)")
     made_by = (state.get("extra_state") or {}).get("made_by")  # (upcycle.MADE_BY: a tool's, no optimizer state)
     if made_by and not reset_optimizer:
         raise CheckpointError(f"{path} was {made_by.get('what', 'written by a tool')} and has no optimizer state: "
                               f"train from it with --finetune-from-model {path}")
+    changes = flag_changes(_section(state.get("cfg"), "model"), model_cfg)
+    mismatch = structure_mismatch(model, model_keys, experts or {}, bool(shards.manifest_of(state).get("experts")))
+    if mismatch:
+        saved_with = ", ".join(f"{flag} {a}" for flag, (a, _) in changes.items())
+        now = ", ".join(f"{flag} {b}" for flag, (_, b) in changes.items())
+        raise CheckpointError(f"{path} does not fit this model ({mismatch}): " + (
+            f"it was saved with {saved_with}, this run has {now}; give the flags as saved" if changes else
+            "give the model flags it was saved with (--arch, layer counts and sizes, --moe-*)"))
     old_gates = [n for n in model_keys if n.endswith(".gate.log_inv_temperature") and n not in model
-                 and n.replace("log_inv_temperature", "weight") in model]
+                 and n.replace("log_inv_temperature", "weight") in model
+                 and n.replace("log_inv_temperature", "proj.weight") in model]
     if old_gates and not reset_optimizer and state.get("last_optimizer_state") is not None:
         raise CheckpointError(f"{path} has cosine gates without the learned temperature (saved before it, e.g. "
                               f"{old_gates[0]}): they load as they were (t = 0.07), but its optimizer state has no "
                               f"entry for the new parameters: resume with --reset-optimizer")
+    if changes and log:
+        logger.warning(f"{path} was saved with " + ", ".join(f"{flag} {a}" for flag, (a, _) in changes.items())
+                       + "; this run has " + ", ".join(f"{flag} {b}" for flag, (_, b) in changes.items())
+                       + ": the weights load as saved, the routing follows this run's flags from here on")
+
+
+# Of the model's flags, those that only choose how a layer runs (not what it learns) go unmentioned.
+_EXECUTION_FLAGS = {"moe_kernel_backend", "moe_a2a_local_size", "moe_a2a_overlap_degree"}
+_SIZES = ("encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim",
+          "encoder_layers", "decoder_layers")
+
+
+def _section(cfg, key):
+    try:
+        return cfg.get(key) if cfg is not None else None
+    except AttributeError:
+        return getattr(cfg, key, None)
+
+
+def _flag_values(model_cfg):
+    """{flag name: value} of an MoE model's config (an argparse Namespace or a mapping), as they act."""
+    from .models.moe_transformer import LAYER_FLAGS, MODEL_DEFAULTS, D
+
+    get = (lambda k: getattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else model_cfg.get
+    has = (lambda k: hasattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else (lambda k: k in model_cfg)
+    keys = (set(LAYER_FLAGS) | set(MODEL_DEFAULTS) | set(_SIZES)) - _EXECUTION_FLAGS
+    values = {k: get(k) for k in keys if has(k)}
+    if values.pop("moe_top1_expert", False):
+        values["moe_top_k"] = 1
+    elif "moe_top_k" in values and values["moe_top_k"] is None:
+        values["moe_top_k"] = D.top_k
+    return values
+
+
+def flag_changes(saved_model_cfg, model_cfg):
+    """{'--flag': (saved value, this run's)} of the model flags that differ ({} when either config is unknown)."""
+    if saved_model_cfg is None or model_cfg is None:
+        return {}
+    try:
+        a, b = _flag_values(saved_model_cfg), _flag_values(model_cfg)
+    except (AttributeError, TypeError):
+        return {}
+    shown = lambda v: "(unset)" if v is None else v  # noqa: E731
+    return {"--" + k.replace("_", "-"): (shown(a[k]), shown(b[k])) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+
+
+def structure_mismatch(saved, model_keys, experts, counts_checked):
+    """The first weight of the saved model state that this model cannot take, said in a few words, or None:
+    a shape that differs (of an expert tensor, its expert count only where check_expert_layout has not
+    compared it from the manifest: counts_checked), or an MoE weight only one of the two has (the load hooks
+    fill a cosine gate's temperature and a routing bias that are missing)."""
+    filled = (".gate.log_inv_temperature", ".gate.proj.bias", ".routing_bias")
+    for name, shape in model_keys.items():
+        if name not in saved:
+            if ".moe." in name and not name.endswith(filled):
+                return f"it has no {name}"
+            continue
+        got = tuple(saved[name].shape)
+        want = tuple(shape)
+        if name in experts:
+            got, want = (got[1:], want[1:]) if counts_checked else (got, (experts[name],) + want[1:])
+        if got != want:
+            return f"{name} is {tuple(saved[name].shape)} there, {tuple(shape)} here"
+    extra = sorted(n for n in saved if ".moe." in n and n not in model_keys)
+    return f"it has {extra[0]}, this model has not" if extra else None
 
 
 def trainer_load_checkpoint(self, filename, *args, **kwargs):

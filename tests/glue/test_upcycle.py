@@ -124,7 +124,7 @@ def test_training_continues_on_one_process_and_two_ranks_alike(data_bin, dense_m
         run_train(train_argv(data_bin, tmp_path / "resume", *COMMON, "--restore-file", str(out)))
 
 
-def test_refusals(dense_mt, dense_lm, lm_data_bin, tmp_path, capsys):
+def test_refusals(dense_mt, dense_lm, data_bin, lm_data_bin, tmp_path, capsys):
     def fails(*argv, match):
         assert upcycle.main([str(a) for a in argv]) == 2
         err = capsys.readouterr().err
@@ -161,6 +161,11 @@ def test_refusals(dense_mt, dense_lm, lm_data_bin, tmp_path, capsys):
     from .helpers import run_train as train
     with pytest.raises(CheckpointError, match="holds a translation model .* trains a language model"):
         train(lm_train_argv(lm_data_bin, tmp_path / "lm", "--finetune-from-model", str(out), "--max-update", "1"))
+    # ... and with another expert count (an upcycled file has no expert manifest): named, the flag too.
+    with pytest.raises(CheckpointError, match=r"moe.pt does not fit this model \(.* is \(2, .*"
+                                              r"saved with --moe-expert-count 2, this run has --moe-expert-count 4"):
+        train(train_argv(data_bin, tmp_path / "mt", "--finetune-from-model", str(out), "--max-update", "1",
+                         "--moe-expert-count", "4"))
 
 
 def test_check_fits_names_the_cause():
@@ -177,8 +182,24 @@ def test_check_fits_names_the_cause():
         check_fits(state(mt), lm, False, "mt.pt")
     with pytest.raises(CheckpointError, match="its decoder dictionary has 12 symbols, this task's has 10"):
         check_fits(state({"decoder.embed_tokens.weight": (12, 4)}), lm, False, "lm.pt")
-    gate = {"decoder.layers.1.fc1.moe.gate.weight": (4, 8)}
-    new = {**lm, **gate, "decoder.layers.1.fc1.moe.gate.log_inv_temperature": ()}
+    with pytest.raises(CheckpointError, match=r"its decoder embeddings are 6 wide, this model's 4 "
+                                              r"\(--decoder-embed-dim 6 as saved\)"):
+        check_fits(state({"decoder.embed_tokens.weight": (10, 6)}), lm, False, "lm.pt")
+    moe = "decoder.layers.1.fc1.moe."
+    gate = {moe + "gate.weight": (4, 8), moe + "gate.proj.weight": (8, 4)}  # a cosine gate of before
+    new = {**lm, **gate, moe + "gate.log_inv_temperature": (), moe + "gate.proj.bias": (8,)}
     with pytest.raises(CheckpointError, match="without the learned temperature .* --reset-optimizer"):
         check_fits(state({**lm, **gate}, last_optimizer_state={}), new, False, "old.pt")
     check_fits(state({**lm, **gate}, last_optimizer_state={}), new, True, "old.pt")
+    # A linear gate resumed as a cosine one is another model, with or without --reset-optimizer.
+    for reset in (False, True):
+        with pytest.raises(CheckpointError, match=f"linear.pt does not fit this model \\({moe}gate.weight is \\(4, 4\\) there"):
+            check_fits(state({**lm, moe + "gate.weight": (4, 4)}, last_optimizer_state={}), new, reset, "linear.pt")
+    # Experts: the expert count is compared where no manifest did (an upcycled file), the sizes always.
+    experts = {moe + "experts.w1": 4}
+    with pytest.raises(CheckpointError, match=r"experts.w1 is \(4, 4, 16\) there, \(2, 4, 8\) here"):
+        check_fits(state({**lm, moe + "experts.w1": (4, 4, 16)}), {**lm, moe + "experts.w1": (2, 4, 8)}, True,
+                   "x.pt", experts)
+    with pytest.raises(CheckpointError, match=r"experts.w1 is \(2, 4, 8\) there, \(2, 4, 8\) here"):
+        check_fits(state({**lm, moe + "experts.w1": (2, 4, 8)}), {**lm, moe + "experts.w1": (2, 4, 8)}, True,
+                   "x.pt", experts)  # 2 experts saved, 4 in the model (2 of them on this rank)
