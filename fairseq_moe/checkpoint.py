@@ -9,6 +9,7 @@ The hooks below are installed by patches.py (each entry says why); their per-Tra
 """
 import argparse
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -326,6 +327,31 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
                                      f"+ rank files)")
     logger.info("%s: loading %s", path, shards.describe(found))
     return load_found(found, arg_overrides)
+
+
+def models_by_set_name(load):
+    """fairseq's load_model_ensemble_and_task, told about sets: --path NAME.pt of an expert-parallel set (as
+    fairseq-train's --restore-file and inspect take it) loads the set, where fairseq checks that the file
+    exists first; a path that names nothing is one line, not fairseq's traceback."""
+    @functools.wraps(load)
+    def wrapped(filenames, *args, **kwargs):
+        if kwargs.get("suffix", args[3] if len(args) > 3 else "") or kwargs.get(
+                "num_shards", args[4] if len(args) > 4 else 1) != 1:
+            return load(filenames, *args, **kwargs)  # fairseq's model-parallel shards: its own names
+        return load([_by_set_name(f) for f in filenames], *args, **kwargs)
+
+    return wrapped
+
+
+def _by_set_name(filename):
+    if os.path.exists(filename):
+        return filename
+    found = shards.locate(filename)
+    if found is None:
+        raise MissingCheckpointError(f"{filename}: no such checkpoint (nor the set {shards.set_base(filename)}"
+                                     f"-shared.pt + rank files)" if filename.endswith(".pt") else
+                                     f"{filename}: no such checkpoint")
+    return shards.shared_path(found[1]) if found[0] == "set" else found[1]
 
 
 class LoadForRank:

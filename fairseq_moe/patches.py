@@ -55,6 +55,9 @@ PATCHES = (
           "after; what a stopped save left is recovered first"),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:load_checkpoint_to_cpu",
           "weights_only=True passed explicitly, checked config strings, named errors; sets"),
+    Patch(_CKPT, "load_model_ensemble_and_task", "fairseq_moe.checkpoint:models_by_set_name",
+          "--path NAME.pt of a set loads it (fairseq checks that the file NAME.pt exists first); a missing "
+          "path is one line", wraps=True),
     Patch(_CKPT, "load_checkpoint", "fairseq_moe.checkpoint:load_checkpoint",
           "a run whose checkpoint_last exists only as a set (or another world size's) resumes"),
     Patch(_CKPT, "PathManager", "fairseq_moe.checkpoint:SaveInProgress",

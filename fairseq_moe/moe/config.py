@@ -124,8 +124,9 @@ class MoEConfig:
             bad("kernel_backend", f"must be one of {list(kernel_backends.BACKENDS)}")
         if self.routing not in ROUTINGS:
             bad("routing", f"must be one of {sorted(ROUTINGS)}")
-        if self.routing == "hash" and (self.top_k != 1 or self.eval_top_k not in (None, 1)):
-            bad("top_k", "must be 1 with --moe-routing hash (a token id maps to one expert)")
+        for name in ("top_k", "eval_top_k"):
+            if self.routing == "hash" and getattr(self, name) not in (None, 1):
+                bad(name, "must be 1 with --moe-routing hash (a token id maps to one expert)")
         if self.routing == "hash" and self.gate_noise != "none":
             bad("gate_noise", "has nothing to act on with --moe-routing hash (no router)")
         if self.routing == "expert_choice" and not self.capacity_factor > 0:

@@ -157,7 +157,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"--moe-routing soft takes x [groups, tokens, d] or [tokens, d], not {tuple(shape)}")
         if padding_mask is not None and padding_mask.shape != shape[:-1]:
             raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
-        x = x.reshape(-1, shape[-2], shape[-1])  # [G, n, d]
+        x = x.reshape(shape[0] if x.dim() == 3 else 1, shape[-2], shape[-1])  # [G, n, d] (n = 0 too)
         mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()
         G, n, d = x.shape
         E, p = cfg.num_experts, cfg.soft_slots

@@ -281,3 +281,21 @@ def test_a_usage_error_is_printed_by_rank_0_alone(data_bin, tmp_path):
     errors = [line for line in (out.stdout + out.stderr).splitlines() if ": error: " in line]
     assert out.returncode == 2
     assert errors == ["fairseq-train: error: argument --moe-expert-count: invalid int value: 'abc'"]
+
+
+def test_generate_and_eval_lm_take_a_set_by_its_name(data_bin, lm_data_bin, trained_checkpoint, tmp_path):
+    """--path NAME.pt of an expert-parallel set, as fairseq-train and inspect take it; a path naming
+    nothing is one error naming it."""
+    from .helpers import lm_train_argv, run_eval_lm
+
+    base = make_set(trained_checkpoint, tmp_path / "mt")
+    generate = [data_bin, "--user-dir", USER_DIR, "--task", "moe_translation", "--gen-subset", "test", "--beam", "1",
+                "--cpu", "--path"]
+    assert "BLEU" in run_generate([*generate, base + ".pt"]).result_string()
+    with pytest.raises(MissingCheckpointError, match=f"{tmp_path}/none.pt: no such checkpoint"):
+        run_generate([*generate, str(tmp_path / "none.pt")])
+
+    run_train(lm_train_argv(lm_data_bin, tmp_path / "lm", "--max-update", "1", "--moe-expert-count", "4"))
+    lm = make_set(tmp_path / "lm" / "checkpoint_last.pt", tmp_path / "lm-set")
+    one = run_eval_lm(lm_data_bin, tmp_path / "lm" / "checkpoint_last.pt")
+    assert float(run_eval_lm(lm_data_bin, lm + ".pt")["perplexity"]) == pytest.approx(float(one["perplexity"]), rel=1e-5)

@@ -35,6 +35,8 @@ BAD = [  # (overrides, flag the message must name)
     (dict(gate_noise_scale=math.nan), "--moe-gate-noise-scale"),
     (dict(eval_top_k=0), "--moe-eval-top-k"),
     (dict(eval_top_k=5), "--moe-eval-top-k"),  # > E
+    (dict(routing="hash", top_k=2), "--moe-top-k (top_k) must be 1 with --moe-routing hash"),
+    (dict(routing="hash", top_k=1, eval_top_k=2), "--moe-eval-top-k (eval_top_k) must be 1 with --moe-routing hash"),
 ]
 
 

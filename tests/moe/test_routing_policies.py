@@ -264,3 +264,21 @@ def test_soft_moe_matches_plain_loop(slots, padded):
         torch.testing.assert_close(p.grad, c.grad, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="no top-k"):
         layer(x, top_k=1)
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_every_policy_takes_zero_tokens(name, shape):
+    """A rank whose batch has no token (or only padding) still runs the layer: an empty output, losses that
+    are zero and differentiable, as with tokens."""
+    soft = getattr(ROUTINGS[name], "slots", False)
+    cfg = MoEConfig(model_dim=8, ffn_dim=8, num_experts=E, routing=name, shared_experts=1,
+                    top_k=1 if name == "hash" else 2, gate="scaled_cosine" if soft else "linear",
+                    capacity_factor=1.0)
+    layer = MoELayer(cfg)
+    x = torch.zeros(*shape, requires_grad=True)
+    kwargs = {"token_ids": torch.zeros(shape[:-1], dtype=torch.long)} if name == "hash" else {}
+    y, aux = layer(x, padding_mask=torch.zeros(shape[:-1], dtype=torch.bool), **kwargs)
+    assert y.shape == shape and aux.num_tokens == 0
+    (y.sum() + aux.balance_loss + aux.z_loss).backward()
+    assert float(aux.balance_loss) == float(aux.z_loss) == 0.0
