@@ -44,10 +44,13 @@ class ExpertLoadLog:
             raise FlagError(f"--moe-stats-file {path}: folder {folder} does not exist")
         if os.path.isdir(path):
             raise FlagError(f"--moe-stats-file {path} is a folder; name a file (lines are appended to it)")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise FlagError(f"--moe-stats-file {path} is not a regular file (a device or a pipe); name a file "
+                            f"(lines are appended to it)")
         if not os.access(path if os.path.exists(path) else folder, os.W_OK):
             raise FlagError(f"--moe-stats-file {path}: "
                             + ("the file is not writable" if os.path.exists(path) else f"{folder} is not writable"))
-        self.path, self.interval = path, interval
+        self.path, self.interval, self.failed = path, interval, False
         self.sums = {}  # layer -> [demand per expert..., tokens, dropped * tokens, entropy * tokens]
 
     def add(self, model):
@@ -68,7 +71,7 @@ class ExpertLoadLog:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
         self.sums = {}
-        if dist_utils.get_global_rank() != 0 or not flat.any():
+        if dist_utils.get_global_rank() != 0 or not flat.any() or self.failed:
             return
         line = {"update": update_num, "layers": {}, "tokens": {}, "dropped": {}, "entropy": {}}
         for (name, _), row in zip(layout, torch.split(flat, [size for _, size in layout])):
@@ -76,8 +79,13 @@ class ExpertLoadLog:
             line["layers"][name] = (demand / demand.sum().clamp(min=1)).tolist()
             line["tokens"][name] = int(tokens)
             line["dropped"][name], line["entropy"][name] = dropped / max(tokens, 1), entropy / max(tokens, 1)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # (a full disk): training goes on, without its statistics
+            logger.warning(f"cannot append to --moe-stats-file {self.path} ({e.strerror or e}): expert statistics "
+                           f"are no longer written in this run")
+            self.failed = True  # (the other ranks still sum with it: the collective above stays)
 
 
 class MoETaskMixin:

@@ -75,6 +75,7 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--quant-noise-pq", "0.1"), "--quant-noise-pq"),  # would skip the experts
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
+    (("--moe-stats-file", "/dev/full"), "--moe-stats-file /dev/full is not a regular file"),
 ])
 def test_bad_settings_name_the_flag(data_bin, tmp_path, extra, flag):
     with pytest.raises((ValueError, FileNotFoundError)) as err:
@@ -214,3 +215,24 @@ def test_defaults_live_in_one_place():
     for criterion in (MoELabelSmoothedCrossEntropyCriterion, MoECrossEntropyCriterion):
         assert not [p for p in inspect.signature(criterion).parameters if p.startswith("moe_")]
     assert {f.name for f in fields(MoELossConfig)} <= {f.name for f in fields(MoECrossEntropyConfig)}
+
+
+def test_a_stats_file_that_cannot_be_written_later_is_one_warning(data_bin, tmp_path, caplog):
+    """The disk fills (here: the file's name turns into a folder) after the checks at start: training goes
+    on, one warning says the statistics stop."""
+    import torch
+
+    from fairseq_moe.models.moe_ffn import moe_blocks
+    from fairseq_moe.tasks.expert_stats import ExpertLoadLog
+
+    _, model, _, _ = build(train_argv(data_bin, tmp_path))
+    path = tmp_path / "stats.jsonl"
+    log = ExpertLoadLog(str(path), 1)
+    path.mkdir()
+    caplog.set_level("WARNING")
+    for update in (1, 2):
+        log.sums = {name: torch.ones(block.moe.cfg.num_experts + 3, dtype=torch.float64)
+                    for name, block in moe_blocks(model)}
+        log.maybe_write(update, model)
+    warnings = [r.getMessage() for r in caplog.records if "--moe-stats-file" in r.getMessage()]
+    assert len(warnings) == 1 and f"cannot append to --moe-stats-file {path}" in warnings[0], warnings
