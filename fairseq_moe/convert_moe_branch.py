@@ -20,6 +20,7 @@ NLLB's expert-output masking (moe_eom, moe_fom), FSDP-sharded files, tasks other
 language modelling. Never overwrites; writes OUT whole or not at all.
 """
 import argparse
+import math
 import os
 import re
 import sys
@@ -29,6 +30,7 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
+from .moe.config import SECOND_EXPERT_POLICIES
 from .new_files import refuse_existing, write_new
 from .reshard import run_tool
 from .upcycle import moe_checkpoint, section
@@ -135,6 +137,22 @@ def expert_tensors(rank_files, E, shared_path):
     return layers
 
 
+def _field(cfg, key, kind, default, path, choices=None):
+    """cfg.model.key as the moe branch types it (bool, float: an int too, str among choices); default when it
+    is absent; any other value (a string "False", None, a typo) refused by name, before anything is written."""
+    if key not in cfg:
+        return default
+    value = cfg[key]
+    ok = (isinstance(value, bool) if kind is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) if kind is float
+          else isinstance(value, str) and (choices is None or value in choices))
+    if not ok:
+        want = {bool: "True or False", float: "a number"}.get(kind) or f"one of {list(choices)}"
+        raise CheckpointError(f"{path}: cfg.model.{key} = {value!r} is not {want} (the moe branch's type): not "
+                              f"converted")
+    return float(value) if kind is float else value
+
+
 def layer_freq(indices, count, side):
     """The --{side}-moe-freq that makes exactly `indices` (0-based) of `count` layers MoE, or an error."""
     if not indices:
@@ -192,18 +210,19 @@ def convert(prefix, out):
         count = len({int(m.group(1)) for k in model if (m := re.match(rf"{side}\.layers\.(\d+)\.", k))})
         freqs[side] = layer_freq(sorted(int(layer.split(".")[2]) for layer in experts if layer.startswith(side)),
                                  count, side)
-    top1 = bool(cfg.get("moe_top1_expert"))
-    fraction = cfg.get("moe_eval_capacity_token_fraction", 0.25)
+    top1 = _field(cfg, "moe_top1_expert", bool, False, shared_path)
+    fraction = _field(cfg, "moe_eval_capacity_token_fraction", float, 0.25, shared_path)
+    policy = "all" if top1 else _field(cfg, "moe_second_expert_policy", str, "sampling", shared_path,
+                                       choices=SECOND_EXPERT_POLICIES)
+    normalize = _field(cfg, "moe_normalize_gate_prob_before_dropping", bool, False, shared_path) and not top1
     name = "moe_transformer" if "encoder" in sides else "moe_transformer_lm"
     cfg.update(_name=name, arch=name, moe_expert_count=E, moe_freq=0, decoder_moe_freq=freqs["decoder"],
                moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing="topk",
                moe_expert_ffn_dim=None,  # (the moe branch ignores it: an expert is as wide as its side's FFN)
                moe_capacity_factor=1.0,  # (training capacity: the moe branch's ceil(k * T / E), up to rounding)
                # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity
-               moe_eval_capacity_token_fraction=fraction if isinstance(fraction, (int, float)) and fraction > 0 else -1.0,
-               moe_second_expert_policy=cfg.get("moe_second_expert_policy", "sampling") if not top1 else "all",
-               moe_normalize_gate_prob_before_dropping=bool(cfg.get("moe_normalize_gate_prob_before_dropping"))
-               and not top1)
+               moe_eval_capacity_token_fraction=fraction if fraction > 0 else -1.0,
+               moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize)
     if "encoder" in sides:
         cfg["encoder_moe_freq"] = freqs["encoder"]
     converted = moe_checkpoint(state, model, cfg, shared_path, {

@@ -56,8 +56,8 @@ def write_moe_branch_set(ours, prefix, ranks, top1=False, **cfg_changes):
     args = {k: v for k, v in vars(ours["cfg"]["model"]).items() if not k.startswith("moe_") or k in MOE_BRANCH_FIELDS}
     lm = not any(k.startswith("encoder.") for k in model)
     args.update(_name="transformer_lm_gpt" if lm else "transformer", arch="transformer_lm_gpt" if lm else "transformer",
-                moe_top1_expert=top1, moe_second_expert_policy="all", moe_eval_capacity_token_fraction=1.0,
-                moe_expert_ffn_dim=None, **cfg_changes)
+                **{**dict(moe_top1_expert=top1, moe_second_expert_policy="all", moe_eval_capacity_token_fraction=1.0,
+                      moe_expert_ffn_dim=None), **cfg_changes})
     cfg = dict(ours["cfg"], model=argparse.Namespace(**args))
     cfg["task"] = {k: v for k, v in cfg["task"].items() if not k.startswith("moe_")}  # (our task's own flags)
     cfg["task"]["_name"] = "language_modeling" if lm else "translation"
@@ -175,6 +175,14 @@ def test_refusals(saved, tmp_path, capsys):
     shared["model"]["encoder.layers.1.moe_layer.gate.wg.bias"] = torch.zeros(E)
     torch.save(shared, tmp_path / "odd-shared.pt")
     fails(tmp_path / "odd", "encoder.layers.1.moe_layer.gate.wg.bias")
+    loose = {"top1": dict(moe_top1_expert="False"), "fraction": dict(moe_eval_capacity_token_fraction="0.5"),
+             "policy": dict(moe_second_expert_policy=None), "junk": dict(moe_second_expert_policy="samplng"),
+             "normalize": dict(moe_normalize_gate_prob_before_dropping="yes")}
+    for name, change in loose.items():  # typed as the moe branch types them, or refused by name
+        write_moe_branch_set(saved["mt"], str(tmp_path / name), 2, **change)
+        key, value = next(iter(change.items()))
+        fails(tmp_path / name, f"cfg.model.{key} = {value!r} is not ")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("x")]  # nothing written
     write_moe_branch_set(saved["mt"], str(tmp_path / "three"), 2, moe_expert_count=3)
     fails(tmp_path / "three", "moe_expert_count 3")
     write_moe_branch_set(saved["mt"], str(tmp_path / "ok"), 2)
