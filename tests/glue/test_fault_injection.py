@@ -202,60 +202,76 @@ SAVES = (*ARGS, "--max-tokens", "100", "--save-interval-updates", "2", "--keep-i
          "--max-update", "6")
 
 
-def launch_faulty(data_bin, save, fault, victim, tmp_path):
-    script = tmp_path / "faulty.py"
-    script.write_text(FAULTY)
-    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5", "--",
-           sys.executable, str(script), fault, str(victim), USER_DIR, *train_argv(data_bin, save, *SAVES)]
+def launch_w(W, data_bin, save, *extra, fault=None, victim=None, script=None):
+    """fairseq-train on W ranks; with a fault: through FAULTY at `script`."""
+    program = ["fairseq-train"]
+    if fault is not None:
+        script.write_text(FAULTY)
+        program = [sys.executable, str(script), fault, str(victim), USER_DIR]
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--grace-seconds", "5", "--", *program,
+           *train_argv(data_bin, save, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 
 
 @pytest.fixture(scope="module")
 def reference_losses(data_bin, tmp_path_factory):
+    """W -> {update: losses} of the run without a fault (made once per W)."""
     from .test_resume import losses
 
-    out = launch_2(data_bin, tmp_path_factory.mktemp("reference"), *SAVES)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    return losses(out.stdout + out.stderr)
+    made = {}
+
+    def of(W):
+        if W not in made:
+            out = launch_w(W, data_bin, tmp_path_factory.mktemp(f"reference{W}"), *SAVES)
+            assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+            made[W] = losses(out.stdout + out.stderr)
+        return made[W]
+
+    return of
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, victim, resumes_at", [
-    ("mid-write", 1, 2),   # a rank killed while it writes: the save of update 4 never happened
-    ("committed", 0, 4),   # rank 0 killed after the commit, before any rename: the resume finishes it
-    ("disk full", 1, 2),   # a file-size limit on rank 1: every rank stops with one line, nothing replaced
+@pytest.mark.parametrize("W, fault, victim, resumes_at", [
+    (2, "mid-write", 1, 2),   # a rank killed while it writes: the save of update 4 never happened
+    (2, "committed", 0, 4),   # rank 0 killed after the commit, before any rename: the resume finishes it
+    (2, "disk full", 1, 2),   # a file-size limit on rank 1: every rank stops with one line, nothing replaced
+    (4, "agreed", 3, 4),      # rank 3 killed once all agreed: rank 0 commits and switches without it
+    (4, "written", 2, 2),     # rank 2 killed before the agreement: nothing is replaced
 ])
-def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, reference_losses, fault, victim,
+def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, reference_losses, W, fault, victim,
                                                          resumes_at):
-    """fairseq-train on 2 ranks, --keep-interval-updates 1, a fault in the save of update 4: the folder
+    """fairseq-train on W ranks, --keep-interval-updates 1, a fault in the save of update 4: the folder
     holds the complete set of update 2 or of update 4, and resuming gives the losses of a run without
     the fault."""
     from .test_resume import losses
 
     save = tmp_path / "save"
-    out = launch_faulty(data_bin, save, fault, victim, tmp_path)
+    out = launch_w(W, data_bin, save, *SAVES, fault=fault, victim=victim, script=tmp_path / "faulty.py")
     log = out.stdout + out.stderr
     assert out.returncode != 0, log[-3000:]
     if fault == "disk full":
         errors = [line for line in log.splitlines() if ": error: " in line]
         assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
-        assert "failed on rank 1 of 2" in errors[0] and "File too large" in errors[0], errors
+        assert f"failed on rank {victim} of {W}" in errors[0] and "File too large" in errors[0], errors
         assert "nothing was replaced" in errors[0]
     before = snapshot(save)
-    resumed = launch_2(data_bin, save, *SAVES)
+    resumed = launch_w(W, data_bin, save, *SAVES)
     log_resumed = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log_resumed[-3000:]
     b = losses(log_resumed)
     assert sorted(b) == list(range(resumes_at + 1, 7)), sorted(b)
-    assert b == {u: reference_losses[u] for u in b}
+    reference = reference_losses(W)
+    assert b == {u: reference[u] for u in b}
     last = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in last["optimizer_history"]][-2:] == [resumes_at, 6]
-    interval = sorted(n for n in os.listdir(save) if n.startswith("checkpoint_1_"))
-    assert interval == [f"checkpoint_1_6-{p}.pt" for p in ("rank-0", "rank-1", "shared")], interval
-    if fault != "committed":  # the set resumed from was on disk as it was saved
-        resumed_from = {k: v for k, v in before.items() if k.startswith("checkpoint_1_2")}
-        assert sorted(resumed_from) == [f"checkpoint_1_2-{p}.pt" for p in ("rank-0", "rank-1", "shared")]
+    parts = sorted([f"rank-{r}" for r in range(W)] + ["shared"])
+    interval = sorted(n for n in os.listdir(save) if n.startswith("checkpoint_1_"))  # --keep-interval-updates 1
+    newest = interval[0].split("-")[0]  # (checkpoint_1_6; at 4 ranks update 6 ends the epoch: checkpoint_1_4)
+    assert interval == [f"{newest}-{p}.pt" for p in parts], interval
+    if resumes_at == 2:  # the set resumed from was on disk as it was saved, and nothing of update 4 stayed
+        finals = sorted(k for k in before if k.startswith("checkpoint_1_") and k.endswith(".pt"))
+        assert finals == [f"checkpoint_1_2-{p}.pt" for p in parts], finals
 
 
 @pytest.mark.slow
@@ -266,7 +282,7 @@ def test_a_set_this_run_did_not_write_survives_its_saves(data_bin, tmp_path):
     save.mkdir()
     for name in ("checkpoint_best_old-shared.pt", "checkpoint_1_99-rank-1.pt", "checkpoint3-shared.pt"):
         (save / name).write_bytes(b"partial")
-    out = launch_2(data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
+    out = launch_w(2, data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
                    "--keep-interval-updates", "5", "--max-tokens", "100")
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     for name in ("checkpoint_best_old-shared.pt", "checkpoint_1_99-rank-1.pt", "checkpoint3-shared.pt"):
