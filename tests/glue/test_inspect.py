@@ -93,7 +93,8 @@ def test_the_data_of_another_task_is_one_line(trained_checkpoint, lm_data_bin, t
     """A translation checkpoint with a language model's data-bin (no dict.src.txt), and with a folder that is
     not there: one line naming --data, nothing written."""
     text = f"{lm_data_bin}/../test.txt"
-    for data, match in ((lm_data_bin, "has no dict.SRC.txt and dict.TGT.txt"), (str(tmp_path / "none"), "no such folder")):
+    for data, match in ((lm_data_bin, "has no dict.SRC.txt and dict.TGT.txt"),
+                        (str(tmp_path / "none"), "no such folder")):
         with pytest.raises(SystemExit) as e:
             inspect.main([str(trained_checkpoint), "--data", data, "--input", text, "--out", str(tmp_path / "o")])
         err = capsys.readouterr().err

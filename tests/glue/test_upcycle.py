@@ -193,7 +193,8 @@ def test_check_fits_names_the_cause():
     check_fits(state({**lm, **gate}, last_optimizer_state={}), new, True, "old.pt")
     # A linear gate resumed as a cosine one is another model, with or without --reset-optimizer.
     for reset in (False, True):
-        with pytest.raises(CheckpointError, match=f"linear.pt does not fit this model \\({moe}gate.weight is \\(4, 4\\) there"):
+        with pytest.raises(CheckpointError,
+                           match=f"linear.pt does not fit this model \\({moe}gate.weight is \\(4, 4\\) there"):
             check_fits(state({**lm, moe + "gate.weight": (4, 4)}, last_optimizer_state={}), new, reset, "linear.pt")
     # Experts: the expert count is compared where no manifest did (an upcycled file), the sizes always.
     experts = {moe + "experts.w1": 4}
