@@ -316,3 +316,29 @@ def test_generate_and_eval_lm_take_a_set_by_its_name(data_bin, lm_data_bin, trai
     one = run_eval_lm(lm_data_bin, tmp_path / "lm" / "checkpoint_last.pt")
     ppl = float(run_eval_lm(lm_data_bin, lm + ".pt")["perplexity"])
     assert ppl == pytest.approx(float(one["perplexity"]), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_takes_the_newest_complete_set_when_checkpoint_last_is_damaged(data_bin, trained_checkpoint,
+                                                                               tmp_path, caplog):
+    """checkpoint_last's rank file is gone (a copy restored in part): the automatic resume takes the newest
+    complete set of the run's names, says which in one line, and nothing on disk is removed."""
+    save = tmp_path / "save"
+    older = make_set(trained_checkpoint, save, "checkpoint_1_1")
+    newer = make_set(trained_checkpoint, save, "checkpoint_1_2")
+    other = make_set(trained_checkpoint, save, "checkpoint_9_9-x")  # another suffix: not this run's
+    for base, saved_at in ((older, 1.0), (other, 1e12)):  # saved before / "after" checkpoint_1_2
+        shared = torch.load(shards.shared_path(base), weights_only=True)
+        shared["extra_state"]["moe_checkpoint"]["saved_at"] = saved_at
+        torch.save(shared, shards.shared_path(base))
+    make_set(trained_checkpoint, save, "checkpoint_last")
+    os.remove(save / "checkpoint_last-rank-1.pt")
+    caplog.set_level("WARNING", logger="fairseq_moe.checkpoint")
+    run_train(train_argv(data_bin, save, *ARGS, "--max-update", "3"))
+    lines = [r.getMessage() for r in caplog.records if "newest complete set" in r.getMessage()]
+    assert len(lines) == 1 and "checkpoint_last-rank-1.pt is missing" in lines[0], lines
+    assert f"resuming from {shards.shared_path(newer)} + rank files instead (update 2)" in lines[0]
+    assert [h["num_updates"] for h in torch.load(save / "checkpoint_last.pt", weights_only=True)
+            ["optimizer_history"]][-2:] == [2, 3]
+    for base in (older, newer, other):
+        shards.check_set(base)

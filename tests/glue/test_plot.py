@@ -108,13 +108,17 @@ def test_log_file_lines_in_both_formats(tmp_path):
 def test_a_run_logged_with_log_file_gets_its_loss_pictures(data_bin, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # (as fairseq-train's own process has it; other tests may have raised it)
     try:
         run_train(train_argv(data_bin, run / "ckpt", "--max-update", "2", "--log-file", str(run / "train.log")))
     finally:  # fairseq-train adds a handler for --log-file and never takes it off (a process ends first)
-        log = logging.getLogger("fairseq_cli.train")
-        for handler in [h for h in log.handlers if getattr(h, "baseFilename", "") == str(run / "train.log")]:
-            log.removeHandler(handler)
-            handler.close()
+        root.setLevel(level)
+        for log in map(logging.getLogger, ("fairseq_cli.train", "fairseq.logging.progress_bar")):
+            for handler in [h for h in log.handlers if getattr(h, "baseFilename", "") == str(run / "train.log")]:
+                log.removeHandler(handler)
+                handler.close()
     drawn = plot.plot_run(None, run / "train.log", tmp_path / "png")
     assert sorted(drawn) == ["balance_loss.png", "loss.png"]
 
