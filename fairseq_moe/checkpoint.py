@@ -24,7 +24,8 @@ import torch
 
 from . import expert_checkpoint as shards
 from . import commit, patches, refusals, safe_eval
-from .errors import CheckpointError, MissingCheckpointError
+from .errors import CheckpointError, MissingCheckpointError, SaveError
+from .fits import check_expert_layout, check_fits
 
 SAFE_GLOBALS = [argparse.Namespace]
 logger = logging.getLogger(__name__)
@@ -97,21 +98,6 @@ def load_checkpoint_file(path, arg_overrides=None):
             if arg_overrides is not None:
                 overwrite_args_by_name(state["cfg"], arg_overrides)
         return checkpoint_utils._upgrade_state_dict(state)
-
-
-def check_expert_layout(saved, model, path):
-    """saved, model: {expert parameter name: E}. A checkpoint of other MoE layers or expert counts is
-    refused here, with the flags to change, before any rank cuts out its experts."""
-    if not saved or not model or saved == model:
-        return
-    for name in sorted(set(saved) & set(model)):
-        if saved[name] != model[name]:
-            raise CheckpointError(f"{path} was saved with {saved[name]} experts in {name.rsplit('.', 2)[0]}; this "
-                                  f"model has {model[name]} (--moe-expert-count {model[name]}). Resume with "
-                                  f"--moe-expert-count {saved[name]}, or train into another --save-dir")
-    layers, mine = (sorted({n.rsplit(".", 2)[0] for n in names}) for names in (saved, model))
-    raise CheckpointError(f"{path} has MoE layers {layers}; this model has {mine} (--moe-freq, "
-                          f"--encoder/decoder-moe-freq and the layer counts must match the saved run's)")
 
 
 def load_found(found, arg_overrides=None, want=None, experts=None):
@@ -237,7 +223,10 @@ class SaveInProgress:
         return self._pm.exists(path) or (self.sets is not None and self.sets.has(path))
 
     def rm(self, path):
-        self.sets.retire(path) if self.sets is not None else self._pm.rm(path)
+        if self.sets is None:
+            self._pm.rm(path)
+        else:
+            self.sets.retire(path)
 
 
 class OsDuringSave:
@@ -250,7 +239,10 @@ class OsDuringSave:
         return getattr(os, name)
 
     def remove(self, path):
-        self._save.rm(path) if self._save.sets is not None else os.remove(path)
+        if self._save.sets is None:
+            os.remove(path)
+        else:
+            self._save.rm(path)
 
 
 def trainer_save_checkpoint(self, filename, extra_state):
@@ -282,17 +274,21 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
         return fairseq_save(cfg, trainer, epoch_itr, val_loss)
     checkpoint_utils = importlib.import_module(_CKPT)
     spread, master = bool(run_state(trainer).spread), trainer.is_data_parallel_master
-    if master:  # what a stopped save left; no rank writes now (the broadcast below waits for this)
-        commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
     sets = None
-    if spread:
+    if not spread:
+        if master:  # what a stopped save of an earlier, multi-rank run left
+            commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+    else:
         from fairseq.distributed import utils as dist_utils
-        os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
         group = trainer.data_parallel_process_group
-        # One id for all files of this save, drawn on rank 0: files of two saves never pass for a set.
-        save_id = dist_utils.broadcast_object(shards.new_save_id(), src_rank=0, group=group)
+        # Rank 0, while no rank writes: the folder, what a stopped save left, and one id for all files of this
+        # save (files of two saves never pass for a set). Its failure reaches every rank through the broadcast.
+        save_id, failed = dist_utils.broadcast_object(_start_save(cfg) if master else None, src_rank=0, group=group)
+        if failed:
+            raise SaveError(f"the checkpoint save in {cfg.save_dir} could not start on rank 0 ({failed}); nothing "
+                            f"was written")
         sets = commit.SetSave(cfg.save_dir, save_id, trainer.data_parallel_rank, trainer.data_parallel_world_size,
-                              gather=lambda obj: _all_gather(obj, group))
+                              gather=lambda obj: _all_gather(obj, group), suffix=cfg.checkpoint_suffix)
     save = SaveInProgress(checkpoint_utils.PathManager, sets, master)
     run_state(trainer).save, error, out = save, None, None
     try:
@@ -308,6 +304,17 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     if sets is not None:
         sets.finish(error)
     return out
+
+
+def _start_save(cfg):
+    """(save id, None), or (None, why) when rank 0 cannot prepare the folder."""
+    try:
+        os.makedirs(cfg.save_dir, exist_ok=True)  # every rank writes into it
+        commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+        return shards.new_save_id(), None
+    except Exception as e:  # (the other ranks wait in the broadcast: they must hear of it)
+        logger.exception("preparing %s for a save", cfg.save_dir)
+        return None, commit.error_line(e)
 
 
 def _all_gather(obj, group):
@@ -331,27 +338,36 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
 
 def models_by_set_name(load):
     """fairseq's load_model_ensemble_and_task, told about sets: --path NAME.pt of an expert-parallel set (as
-    fairseq-train's --restore-file and inspect take it) loads the set, where fairseq checks that the file
-    exists first; a path that names nothing is one line, not fairseq's traceback."""
+    fairseq-train's --restore-file and inspect take it; with --checkpoint-suffix S, the set NAME-S) loads the
+    set, where fairseq checks that the file exists first; a local path that names nothing is one line, not
+    fairseq's traceback. What fairseq itself finds (a file, FSDP's -shard0.pt, a remote path, model-parallel
+    _partK.pt) is loaded as fairseq loads it."""
     @functools.wraps(load)
-    def wrapped(filenames, *args, **kwargs):
-        if kwargs.get("suffix", args[3] if len(args) > 3 else "") or kwargs.get(
-                "num_shards", args[4] if len(args) > 4 else 1) != 1:
-            return load(filenames, *args, **kwargs)  # fairseq's model-parallel shards: its own names
-        return load([_by_set_name(f) for f in filenames], *args, **kwargs)
+    def wrapped(filenames, arg_overrides=None, task=None, strict=True, suffix="", num_shards=1, state=None):
+        if state is None and num_shards == 1:
+            named = [_by_set_name(f, suffix) for f in filenames]
+            if any(n != f for n, f in zip(named, filenames)):  # a set: its shared file, the suffix in its name
+                filenames, suffix = named, ""
+        return load(filenames, arg_overrides, task, strict, suffix, num_shards, state)
 
     return wrapped
 
 
-def _by_set_name(filename):
-    if os.path.exists(filename):
+def _by_set_name(filename, suffix):
+    """The shared file of the set that filename (with suffix) names; else filename, when fairseq finds it."""
+    from fairseq.file_io import PathManager
+
+    checkpoint_utils = importlib.import_module(_CKPT)
+    if PathManager.exists(checkpoint_utils.get_maybe_sharded_checkpoint_filename(filename, suffix, 0, 1)):
         return filename
-    found = shards.locate(filename)
-    if found is None:
-        raise MissingCheckpointError(f"{filename}: no such checkpoint (nor the set {shards.set_base(filename)}"
-                                     f"-shared.pt + rank files)" if filename.endswith(".pt") else
-                                     f"{filename}: no such checkpoint")
-    return shards.shared_path(found[1]) if found[0] == "set" else found[1]
+    named = filename.replace(".pt", suffix + ".pt")  # (as fairseq adds the suffix)
+    found = shards.locate(named)
+    if found is not None and found[0] == "set":
+        return shards.shared_path(found[1])
+    if "://" in filename:
+        return filename  # (a remote path: fairseq's own error)
+    raise MissingCheckpointError(f"{named}: no such checkpoint" + (
+        f" (nor the set {shards.set_base(named)}-shared.pt + rank files)" if named.endswith(".pt") else ""))
 
 
 class LoadForRank:
@@ -380,118 +396,6 @@ class LoadForRank:
         return state
 
 
-def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg=None, log=False):
-    """Before fairseq loads a state into the trainer: refuse, naming the cause, a checkpoint of another task,
-    dictionary or embedding width, MoE weights of other flags (fairseq would stop at a size mismatch or a
-    missing key deep in load_state_dict, once per rank), an upcycled or converted one resumed as if it had an
-    optimizer state, and one whose cosine gates predate the learned temperature resumed with its optimizer
-    state (the load hook adds parameters the saved Adam state has no entry for). Routing flags changed since
-    the save are said in one log line (log: this rank logs): the weights load, the routing follows the flags.
-    model_keys: {state-dict name: shape} of the model it loads into; experts: its {expert parameter: E}
-    (the model holds its own slice of them); model_cfg: this run's model config, to name changed flags."""
-    model = state.get("model", {})
-    embed = lambda keys: {n: tuple(keys[n]) for n in keys if n.endswith("embed_tokens.weight")}  # noqa: E731
-    saved, mine = embed({n: t.shape for n, t in model.items()}), embed(model_keys)
-    if saved and mine:  # (both with token embeddings: not adaptive input, not a wrapper's flattened names)
-        encoder = lambda names: any(n.startswith("encoder.") for n in names)  # noqa: E731
-        if encoder(saved) != encoder(mine):
-            kinds = {True: "a translation model (encoder + decoder)", False: "a language model (decoder only)"}
-            raise CheckpointError(f"{path} holds {kinds[encoder(saved)]}; this task trains {kinds[encoder(mine)]}")
-        for name in sorted(set(saved) & set(mine)):
-            side = name.split(".", 1)[0]
-            if saved[name][0] != mine[name][0]:
-                raise CheckpointError(f"{path}: its {side} dictionary has {saved[name][0]} symbols, this task's has "
-                                      f"{mine[name][0]}: train with the data (and dict.*.txt) the checkpoint was "
-                                      f"trained on")
-            if saved[name][1:] != mine[name][1:]:
-                raise CheckpointError(f"{path}: its {side} embeddings are {saved[name][1]} wide, this model's "
-                                      f"{mine[name][1]} (--{side}-embed-dim {saved[name][1]} as saved)")
-    made_by = (state.get("extra_state") or {}).get("made_by")  # (upcycle.MADE_BY: a tool's, no optimizer state)
-    if made_by and not reset_optimizer:
-        raise CheckpointError(f"{path} was {made_by.get('what', 'written by a tool')} and has no optimizer state: "
-                              f"train from it with --finetune-from-model {path}")
-    changes = flag_changes(_section(state.get("cfg"), "model"), model_cfg)
-    mismatch = structure_mismatch(model, model_keys, experts or {}, bool(shards.manifest_of(state).get("experts")))
-    if mismatch:
-        saved_with = ", ".join(f"{flag} {a}" for flag, (a, _) in changes.items())
-        now = ", ".join(f"{flag} {b}" for flag, (_, b) in changes.items())
-        raise CheckpointError(f"{path} does not fit this model ({mismatch}): " + (
-            f"it was saved with {saved_with}, this run has {now}; give the flags as saved" if changes else
-            "give the model flags it was saved with (--arch, layer counts and sizes, --moe-*)"))
-    old_gates = [n for n in model_keys if n.endswith(".gate.log_inv_temperature") and n not in model
-                 and n.replace("log_inv_temperature", "weight") in model
-                 and n.replace("log_inv_temperature", "proj.weight") in model]
-    if old_gates and not reset_optimizer and state.get("last_optimizer_state") is not None:
-        raise CheckpointError(f"{path} has cosine gates without the learned temperature (saved before it, e.g. "
-                              f"{old_gates[0]}): they load as they were (t = 0.07), but its optimizer state has no "
-                              f"entry for the new parameters: resume with --reset-optimizer")
-    if changes and log:
-        logger.warning(f"{path} was saved with " + ", ".join(f"{flag} {a}" for flag, (a, _) in changes.items())
-                       + "; this run has " + ", ".join(f"{flag} {b}" for flag, (_, b) in changes.items())
-                       + ": the weights load as saved, the routing follows this run's flags from here on")
-
-
-# Of the model's flags, those that only choose how a layer runs (not what it learns) go unmentioned.
-_EXECUTION_FLAGS = {"moe_kernel_backend", "moe_a2a_local_size", "moe_a2a_overlap_degree"}
-_SIZES = ("encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim",
-          "encoder_layers", "decoder_layers")
-
-
-def _section(cfg, key):
-    try:
-        return cfg.get(key) if cfg is not None else None
-    except AttributeError:
-        return getattr(cfg, key, None)
-
-
-def _flag_values(model_cfg):
-    """{flag name: value} of an MoE model's config (an argparse Namespace or a mapping), as they act."""
-    from .models.moe_transformer import LAYER_FLAGS, MODEL_DEFAULTS, D
-
-    get = (lambda k: getattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else model_cfg.get
-    has = (lambda k: hasattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else (lambda k: k in model_cfg)
-    keys = (set(LAYER_FLAGS) | set(MODEL_DEFAULTS) | set(_SIZES)) - _EXECUTION_FLAGS
-    values = {k: get(k) for k in keys if has(k)}
-    if values.pop("moe_top1_expert", False):
-        values["moe_top_k"] = 1
-    elif "moe_top_k" in values and values["moe_top_k"] is None:
-        values["moe_top_k"] = D.top_k
-    return values
-
-
-def flag_changes(saved_model_cfg, model_cfg):
-    """{'--flag': (saved value, this run's)} of the model flags that differ ({} when either config is unknown)."""
-    if saved_model_cfg is None or model_cfg is None:
-        return {}
-    try:
-        a, b = _flag_values(saved_model_cfg), _flag_values(model_cfg)
-    except (AttributeError, TypeError):
-        return {}
-    shown = lambda v: "(unset)" if v is None else v  # noqa: E731
-    return {"--" + k.replace("_", "-"): (shown(a[k]), shown(b[k])) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
-
-
-def structure_mismatch(saved, model_keys, experts, counts_checked):
-    """The first weight of the saved model state that this model cannot take, said in a few words, or None:
-    a shape that differs (of an expert tensor, its expert count only where check_expert_layout has not
-    compared it from the manifest: counts_checked), or an MoE weight only one of the two has (the load hooks
-    fill a cosine gate's temperature and a routing bias that are missing)."""
-    filled = (".gate.log_inv_temperature", ".gate.proj.bias", ".routing_bias")
-    for name, shape in model_keys.items():
-        if name not in saved:
-            if ".moe." in name and not name.endswith(filled):
-                return f"it has no {name}"
-            continue
-        got = tuple(saved[name].shape)
-        want = tuple(shape)
-        if name in experts:
-            got, want = (got[1:], want[1:]) if counts_checked else (got, (experts[name],) + want[1:])
-        if got != want:
-            return f"{name} is {tuple(saved[name].shape)} there, {tuple(shape)} here"
-    extra = sorted(n for n in saved if ".moe." in n and n not in model_keys)
-    return f"it has {extra[0]}, this model has not" if extra else None
-
-
 def trainer_load_checkpoint(self, filename, *args, **kwargs):
     fairseq_load = patches.original(_TRAINER, "load_checkpoint")
     name, default = requested_name(self, filename)
@@ -517,12 +421,19 @@ def trainer_load_checkpoint(self, filename, *args, **kwargs):
 
 def recover_before_resume(cfg, trainer):
     """commit.recover() on rank 0 while no rank reads or writes: a committed save finished, an uncommitted
-    one's staged files removed, before any rank looks for its checkpoint."""
+    one's staged files removed, before any rank looks for its checkpoint (a gather: any backend)."""
+    failed = None
     if trainer.data_parallel_rank == 0:
-        commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+        try:
+            commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+        except Exception as e:  # (the other ranks wait in the gather: they must hear of it)
+            logger.exception("recovering %s", cfg.save_dir)
+            failed = commit.error_line(e)
     if trainer.data_parallel_world_size > 1:
-        from fairseq.distributed import utils as dist_utils
-        dist_utils.all_reduce(torch.zeros(1), trainer.data_parallel_process_group)
+        failed = _all_gather(failed, trainer.data_parallel_process_group)[0]
+    if failed:
+        raise CheckpointError(f"--save-dir {cfg.save_dir}: what a stopped save left there cannot be recovered "
+                              f"({failed}); nothing was loaded")
 
 
 def newest_complete_set(last, suffix, log=True):
@@ -555,8 +466,9 @@ def newest_complete_set(last, suffix, log=True):
         raise damage
     _, base, core, updates = best
     if log:
-        logger.warning(f"{last} cannot be resumed ({damage}); resuming from {shards.shared_path(base)} + rank "
-                       f"files instead (update {updates}), the newest complete set of this run")
+        found = shards.resolve(f"{base}.pt")  # (a single file of that name saved later would be taken)
+        logger.warning(f"{last} cannot be resumed ({damage}); resuming from {shards.describe(found)} instead "
+                       f"(update {updates}), the newest complete set of this run")
     return os.path.join(folder, f"checkpoint{core}.pt")
 
 

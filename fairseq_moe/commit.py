@@ -71,9 +71,9 @@ def _remove(path):
         os.remove(path)
 
 
-def write_journal(folder, save_id, world_size, commit, retire):
+def write_journal(folder, save_id, suffix, world_size, commit, retire):
     """Step 3: the commit point. commit, retire: set names (NAME, without the folder)."""
-    path = shards.journal_path(folder, save_id)
+    path = shards.journal_path(folder, save_id, suffix)
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -92,8 +92,8 @@ def write_journal(folder, save_id, world_size, commit, retire):
 def switch(folder, journal, path, renamed_all=None):
     """Step 4, from the journal at path (every part can be redone): the staged files take their names,
     rank files beyond the save's world size go (a set of an earlier, larger run); then (after
-    renamed_all(), when given) the retired sets go, their staged files of this save too, and the journal.
-    Returns the number of files renamed."""
+    renamed_all(n renamed), when given: it may raise to keep the journal) the retired sets go, their staged
+    files of this save too, and the journal. Returns the number of files renamed."""
     W, renamed = journal["world_size"], 0
     for name in journal["commit"]:
         base = os.path.join(folder, name)
@@ -107,7 +107,7 @@ def switch(folder, journal, path, renamed_all=None):
                 _remove(old)
     fsync_folder(folder)
     if renamed_all is not None:
-        renamed_all()
+        renamed_all(renamed)
     for name in journal["retire"]:
         base = os.path.join(folder, name)
         for staged, _ in shards.committed_files(base, journal):
@@ -122,8 +122,9 @@ def switch(folder, journal, path, renamed_all=None):
 
 def run_names(suffix):
     """The file names of one run's checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
-    checkpoint_best, checkpoint.best_loss_3.21; with --checkpoint-suffix), as sets, files or temporaries."""
-    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_.+?)" + re.escape(suffix or "")
+    checkpoint_best, checkpoint.best_loss_3.2101 as fairseq names them; with --checkpoint-suffix), as sets,
+    files or temporaries: group 1 is the name without the suffix."""
+    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_\w+?_\d+\.?\d*)" + re.escape(suffix or "")
                       + r"(-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp|\.[0-9a-f]{32}\.staged)?$")
 
 
@@ -133,17 +134,21 @@ def recover(folder, suffix):
     no rank writes (rank 0, before a save or a resume). Every action is one log line."""
     if not os.path.isdir(folder):
         return
-    for path, journal in shards.journals(folder):
+    for path, journal in shards.journals(folder, suffix or ""):
         n = switch(folder, journal, path)
         logger.info("finished the save %s committed before a stop: %d file(s) renamed, sets %s in place%s",
                     os.path.basename(path), n, ", ".join(journal["commit"]) or "none",
                     f", {', '.join(journal['retire'])} retired" if journal["retire"] else "")
     names = run_names(suffix)
     for name in sorted(os.listdir(folder)):
-        m = names.match(name)
-        if shards.JOURNAL.match(name):  # (the readable ones are done and gone)
-            logger.warning("%s is named like a save's journal but does not read as one: left alone",
-                           os.path.join(folder, name))
+        m, journal = names.match(name), shards.JOURNAL.match(name)
+        if journal and journal.group("suffix") == (suffix or ""):  # (the readable ones are done and gone)
+            if journal.group("tmp"):  # a journal being written when the save stopped: nothing was committed
+                _remove(os.path.join(folder, name))
+                logger.info("removed %s, left by a save that did not commit", name)
+            else:
+                logger.warning("%s is named like a save's journal but does not read as one: left alone",
+                               os.path.join(folder, name))
         elif m and m.group("tmp"):
             _remove(os.path.join(folder, name))
             logger.info("removed %s, left by a save that did not finish", name)
@@ -153,12 +158,13 @@ class SetSave:
     """One save of the sets of a run whose experts are spread, on one rank (steps 1-5 above).
 
     gather(obj) -> [the obj of every rank, by rank], the same collective on every rank; save_id is the
-    same on every rank (drawn on rank 0). on_step(name), when given, is called at each step ("writing",
-    "written", "agreed", then on rank 0 "committed", "switched", and "done"): tests stop a rank there."""
+    same on every rank (drawn on rank 0); suffix: the run's --checkpoint-suffix. on_step(name), when given,
+    is called at each step ("writing", "written", "agreed", then on rank 0 "committed", "switched", and
+    "done"): tests stop a rank there."""
 
-    def __init__(self, folder, save_id, rank, world_size, gather, on_step=None):
+    def __init__(self, folder, save_id, rank, world_size, gather, suffix="", on_step=None):
         self.folder, self.save_id, self.rank, self.world_size = folder, save_id, rank, world_size
-        self.gather, self.on_step = gather, on_step
+        self.gather, self.suffix, self.on_step = gather, suffix or "", on_step
         self.staged, self.retired = [], set()  # the final paths this rank staged; set names retired here
         self.started = False
 
@@ -184,13 +190,23 @@ class SetSave:
         self.retired.add(os.path.basename(shards.set_base(path)))
 
     def listing(self, folder):
-        """The names in folder as they will be after this save: what fairseq's --keep-* rules count."""
-        names = set(os.listdir(folder))
-        here = os.path.abspath(folder)
-        return sorted(names | {os.path.basename(f) for f in self.staged if os.path.dirname(os.path.abspath(f)) == here})
+        """The names in folder as fairseq's --keep-* rules on this rank should count them, the same sets on
+        every rank: each set that has its shared file, or that this save writes, as NAME-rank-R.pt of this
+        rank (whether or not its file of this rank is there: sets of a smaller world lack it); other files
+        as they are."""
+        here, names = os.path.abspath(folder), set()
+        finals = [os.path.basename(f) for f in self.staged if os.path.dirname(os.path.abspath(f)) == here]
+        for name in os.listdir(folder) + finals:
+            m = shards._SHARD.match(name)
+            if m is None or (m.group(2) is None and not name.endswith("-shared.pt")):
+                names.add(name)  # (not a set file; a single file NAME.pt)
+            elif name.endswith("-shared.pt") or name in finals:
+                names.add(f"{m.group('base')}-rank-{self.rank}.pt")
+        return sorted(names)
 
     def has(self, path):
-        return os.path.abspath(path) in {os.path.abspath(f) for f in self.staged}
+        """Whether path is one of listing()'s names (fairseq asks before it deletes)."""
+        return os.path.basename(path) in self.listing(os.path.dirname(path) or ".")
 
     def _discard(self):
         for final in self.staged:
@@ -198,10 +214,13 @@ class SetSave:
 
     def finish(self, error=None):
         """Steps 2-5. error: this rank's failure in step 1, if any. Raises SaveError on every rank when the
-        save was not made (nothing of the previous sets changed then), or when its switch failed."""
+        save was not made (nothing of the previous sets changed then), or when its switch failed; on the rank
+        that failed, an error that is no I/O error (a bug) is raised as it was, with its traceback."""
         self._step("written")
+        for folder in {os.path.dirname(os.path.abspath(f)) for f in self.staged}:
+            fsync_folder(folder)  # (the staged names too, before this rank says its files are on disk)
         names = sorted({os.path.basename(shards.set_base(f)) for f in self.staged})
-        mine = {"error": None if error is None else _one_line(error), "names": names,
+        mine = {"error": None if error is None else error_line(error), "names": names,
                 "retired": sorted(self.retired)}
         reports = self.gather(mine)
         self._step("agreed")
@@ -211,6 +230,8 @@ class SetSave:
                       for r, rep in enumerate(reports) if rep["names"] != reports[0]["names"]][:1]
         if failed:
             self._discard()
+            if error is not None and not _io_error(error):
+                raise error
             rank, why = failed[0]
             raise SaveError(f"the checkpoint save of {', '.join(names) or 'nothing'} in {self.folder} failed on rank "
                             f"{rank} of {self.world_size} ({why}); nothing was replaced: the previous checkpoints "
@@ -232,19 +253,37 @@ class SetSave:
         """Steps 3 and 4 on rank 0: None, or (committed?, why) when something failed."""
         retire = set().union(*(rep["retired"] for rep in reports))
         commit = set(reports[0]["names"]) - retire  # (a name written and dropped in the same save goes)
+        journal = {"save_id": self.save_id, "world_size": self.world_size, "commit": sorted(commit), "retire": []}
+        missing = [staged for name in sorted(commit) for staged, _ in
+                   shards.committed_files(os.path.join(self.folder, name), journal) if not os.path.exists(staged)]
+        if missing:  # (every rank said its files are on disk; someone removed one since)
+            return False, f"{missing[0]} is gone"
         try:
-            path = write_journal(self.folder, self.save_id, self.world_size, commit, retire)
+            path = write_journal(self.folder, self.save_id, self.suffix, self.world_size, commit, retire)
         except Exception as e:
-            return False, _one_line(e)
+            return False, error_line(e)
         self._step("committed")
+        expected = len(commit) * (self.world_size + 1)
+
+        def renamed_all(n):
+            if n != expected:  # (the journal stays: nothing is retired, the resume falls back)
+                raise SaveError(f"{n} of the {expected} staged files renamed")
+            self._step("switched")
+
         try:
-            switch(self.folder, shards.read_journal(path), path, renamed_all=lambda: self._step("switched"))
+            switch(self.folder, shards.read_journal(path), path, renamed_all)
         except Exception as e:
-            return True, _one_line(e)
+            return True, error_line(e)
         logger.info("committed the checkpoint sets %s (%d ranks)%s", ", ".join(sorted(commit)), self.world_size,
                     f"; retired {', '.join(sorted(retire))}" if retire else "")
         return None
 
 
-def _one_line(e):
+def _io_error(e):
+    """An OSError, or torch's zip writer failing to write (it reports a full disk as a RuntimeError)."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower())
+
+
+def error_line(e):
+    """An exception as one line: its type and the first line of its message."""
     return f"{type(e).__name__}: {e}".splitlines()[0]

@@ -58,24 +58,27 @@ def staged_path(final, save_id):
 
 
 STAGED = re.compile(r"^(?P<final>.+\.pt)\.(?P<save_id>[0-9a-f]{32})\.staged$")
-JOURNAL = re.compile(r"^moe-commit-(?P<save_id>[0-9a-f]{32})\.json$")
+# moe-commit-SAVEID[SUFFIX].json: the run's --checkpoint-suffix in the name, so runs of one folder keep apart.
+JOURNAL = re.compile(r"^moe-commit-(?P<save_id>[0-9a-f]{32})(?P<suffix>.*?)\.json(?P<tmp>\.tmp)?$")
 
 
-def journal_path(folder, save_id):
-    return os.path.join(folder, f"moe-commit-{save_id}.json")
+def journal_path(folder, save_id, suffix=""):
+    return os.path.join(folder, f"moe-commit-{save_id}{suffix or ''}.json")
 
 
-def journals(folder):
-    """[(path, journal)] of the committed saves whose switch has not finished in folder (oldest first).
-    A file named like a journal that does not read as one is skipped (and named in the log by recover)."""
+def journals(folder, suffix=None):
+    """[(path, journal)] of the committed saves whose switch has not finished in folder (oldest first), of
+    one --checkpoint-suffix (None: of any). A file named like a journal that does not read as one is
+    skipped (recover names it)."""
     out = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         m = JOURNAL.match(name)
-        if m:
+        if m and not m.group("tmp") and suffix in (None, m.group("suffix")):
             path = os.path.join(folder, name)
             journal = read_journal(path)
-            if journal is not None and journal["save_id"] == m.group("save_id"):
-                out.append((os.path.getmtime(path), path, journal))
+            with contextlib.suppress(OSError):  # (gone meanwhile: its switch has finished)
+                if journal is not None and journal["save_id"] == m.group("save_id"):
+                    out.append((os.path.getmtime(path), path, journal))
     return [(path, journal) for _, path, journal in sorted(out)]
 
 

@@ -57,7 +57,11 @@ def check_data(path, data):
 
     if not Path(data).is_dir():
         raise FlagError(f"--data {data}: no such folder (the data-bin the checkpoint was trained on)")
-    cfg = (shards.read_file(path, mmap=True).get("cfg") or {}).get("task") or {}
+    state = shards.read_file(path, mmap=True)
+    task = (state.get("cfg") or {}).get("task") or state.get("args")  # (args: a checkpoint of fairseq < 0.10)
+    cfg = vars(task) if isinstance(task, argparse.Namespace) else dict(task or {})
+    if not cfg:
+        return  # (nothing to tell the task by: fairseq's own error, if any)
     if "source_lang" in cfg:  # translation; without the pair, fairseq infers it from the folder's dictionaries
         langs = [cfg.get(k) for k in ("source_lang", "target_lang")]
         pair = "-".join(lang or "?" for lang in langs)

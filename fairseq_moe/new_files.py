@@ -114,9 +114,9 @@ def write_new(out, write):
             with contextlib.suppress(OSError):
                 os.rmdir(folder)  # only when empty
         if removed and isinstance(e, (ValueError, OSError)):
-            # (the same kind of error, a FlagError too; an OSError subclass that takes other arguments as OSError)
-            kind = type(e) if isinstance(e, ValueError) or type(e) in (OSError, FileExistsError) else next(
-                k for k in (FileExistsError, OSError) if isinstance(e, k))
+            # (the same kind of error where it takes a message alone: a FlagError too; else the nearest that does)
+            kind = next(k for k in (type(e), FileExistsError, OSError, ValueError) if isinstance(e, k) and (
+                k.__init__ is ValueError.__init__ or k in (OSError, FileExistsError, ValueError)))
             raise kind(f"{one_line(e)}; removed the {len(removed)} file(s) this command had written "
                        f"({', '.join(removed)})") from e
         raise

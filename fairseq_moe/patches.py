@@ -32,7 +32,8 @@ class Patch:
 
 _EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints: here eval reads literals "
              "only, so no checkpoint string can run code (safe_eval.py)")
-_CLI_WHY = "a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (cli.py)"
+_CLI_WHY = ("a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (a SaveError: exit "
+            "code 1; cli.py)")
 _TRAINER = "fairseq.trainer:Trainer"
 _CKPT = "fairseq.checkpoint_utils"
 

@@ -6,6 +6,7 @@ assignments per expert]}, "tokens": {name: n}, "dropped": {name: fraction}, "ent
 Validation and generation use the eval capacity (--moe-eval-capacity-token-fraction) with no help from
 the task: MoE layers pick their capacity from model.training, which fairseq sets for them.
 """
+import contextlib
 import json
 import logging
 import os
@@ -79,10 +80,13 @@ class ExpertLoadLog:
             line["layers"][name] = (demand / demand.sum().clamp(min=1)).tolist()
             line["tokens"][name] = int(tokens)
             line["dropped"][name], line["entropy"][name] = dropped / max(tokens, 1), entropy / max(tokens, 1)
+        size = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:  # (a full disk): training goes on, without its statistics
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)  # no half line: the lines before stay readable (plot)
             logger.warning(f"cannot append to --moe-stats-file {self.path} ({e.strerror or e}): expert statistics "
                            f"are no longer written in this run")
             self.failed = True  # (the other ranks still sum with it: the collective above stays)

@@ -14,10 +14,11 @@ ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1", "--max
 
 
 @pytest.mark.parametrize("flags, saved, given", [
-    (("--moe-expert-ffn-dim", "32"), "--moe-expert-ffn-dim (unset)", "--moe-expert-ffn-dim 32"),
+    (("--moe-expert-ffn-dim", "32"), "--moe-expert-ffn-dim 64", "--moe-expert-ffn-dim 32"),  # (64: the FFN width)
     (("--moe-shared-expert-count", "1"), "--moe-shared-expert-count 0", "--moe-shared-expert-count 1"),
-    (("--moe-routing", "hash", "--moe-top-k", "1"), "--moe-routing topk, --moe-top-k 2",
-     "--moe-routing hash, --moe-top-k 1"),
+    (("--moe-routing", "hash", "--moe-top-k", "1"), "--moe-routing topk", "--moe-routing hash"),
+    (("--moe-expert-ffn-dim", "64", "--moe-shared-expert-count", "1"), "--moe-shared-expert-count 0",
+     "--moe-shared-expert-count 1"),  # (64: the FFN width, as saved: no change)
     (("--moe-gate", "cosine"), "--moe-gate linear", "--moe-gate cosine"),
 ])
 def test_other_weights_are_named_by_their_flags(data_bin, trained_checkpoint, tmp_path, flags, saved, given):
@@ -27,15 +28,15 @@ def test_other_weights_are_named_by_their_flags(data_bin, trained_checkpoint, tm
                                  *reset))
         msg = str(e.value)
         assert msg.startswith(f"{trained_checkpoint} does not fit this model (") and "\n" not in msg, msg
-        assert f"saved with {saved}" in msg and f"this run has {given}" in msg, msg
+        assert f"saved with {saved}, this run has {given};" in msg, msg
     assert not (tmp_path / "x" / "checkpoint_last.pt").exists()
 
 
 def test_routing_flags_changed_on_resume_are_one_log_line(data_bin, trained_checkpoint, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="fairseq_moe.checkpoint")
+    caplog.set_level(logging.WARNING, logger="fairseq_moe.fits")
     run_train(train_argv(data_bin, tmp_path / "x", *ARGS, "--restore-file", str(trained_checkpoint),
                          "--moe-top-k", "1", "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.001"))
-    lines = [r.getMessage() for r in caplog.records if r.name == "fairseq_moe.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fairseq_moe.fits"]
     assert len(lines) == 1, lines
     assert ("saved with --moe-bias-update-rate 0.0, --moe-score softmax, --moe-top-k 2; this run has "
-            "--moe-bias-update-rate 0.001, --moe-score sigmoid, --moe-top-k 1") in lines[0]
+            "--moe-bias-update-rate 0.001, --moe-score sigmoid, --moe-top-k 1: the weights load as saved") in lines[0]

@@ -54,7 +54,7 @@ def sha(path):
 def save_once(folder, rank, W, updates, gather, on_step=None):
     """One save of rank `rank`, as checkpoint.py makes it."""
     save_id = gather(shards.new_save_id())[0]
-    sets = commit.SetSave(folder, save_id, rank, W, gather, on_step)
+    sets = commit.SetSave(folder, save_id, rank, W, gather, on_step=on_step)
     spread = {n: local_experts(E, W, rank) for n in EXPERTS}
     info = shards.manifest(updates, save_id, W, {n: E for n in EXPERTS}, {n: ORDER.index(n) for n in EXPERTS}, W)
     state = shards.cut_for_rank(dict(full_state(updates), extra_state={"moe_checkpoint": info}),
@@ -219,3 +219,65 @@ def test_recover_leaves_what_is_not_a_stopped_save_of_this_run(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     commit.recover(str(tmp_path), "")
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+def test_keep_best_counts_the_same_sets_on_every_rank(tmp_path):
+    """fairseq's --keep-best-checkpoints rule runs on every rank over the names with that rank's suffix: sets
+    of an earlier 2-rank run have no -rank-3 file, yet rank 3 of 4 must stage and retire what rank 0 does
+    (else the ranks disagree and no save is made). fairseq's own save_checkpoint decides here."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.configs import CheckpointConfig
+    from omegaconf import OmegaConf
+
+    from fairseq_moe import patches
+    from fairseq_moe.checkpoint import OsDuringSave, SaveInProgress
+
+    for loss in ("3.0000", "4.0000"):  # the two best of the earlier run
+        for part in ("shared", "rank-0", "rank-1"):
+            (tmp_path / f"checkpoint.best_loss_{loss}-{part}.pt").write_bytes(b"x")
+    fairseq_save = patches.original("fairseq.checkpoint_utils", "save_checkpoint")
+    cfg = OmegaConf.structured(CheckpointConfig(save_dir=str(tmp_path), keep_best_checkpoints=2,
+                                                no_epoch_checkpoints=True))
+
+    def decide(rank):
+        sets = commit.SetSave(str(tmp_path), "0" * 32, rank, 4, gather=None)
+
+        class Trainer:
+            data_parallel_rank, checkpoint_suffix, task = rank, f"-rank-{rank}", None
+            should_save_checkpoint_on_current_rank, always_call_state_dict_during_save_checkpoint = True, False
+
+            def consolidate_optimizer(self):
+                pass
+
+            def get_num_updates(self):
+                return 500
+
+            def save_checkpoint(self, filename, extra_state):
+                sets.write({"x": 1}, filename)
+                if rank == 0:
+                    sets.write({"x": 1}, shards.shared_path(shards.set_base(filename)))
+                return filename
+
+        class Epochs:
+            epoch = 3
+
+            def end_of_epoch(self):
+                return True
+
+            def state_dict(self):
+                return {}
+
+        save = SaveInProgress(checkpoint_utils.PathManager, sets, rank == 0)
+        checkpoint_utils.save_checkpoint.best = 2.0  # (fairseq keeps the best score on the function)
+        try:
+            with patches.scoped(checkpoint_utils, "PathManager", save), \
+                    patches.scoped(checkpoint_utils, "os", OsDuringSave(save)):
+                fairseq_save(cfg, Trainer(), Epochs(), 3.5)  # better than 4.0, not than 3.0
+        finally:
+            del checkpoint_utils.save_checkpoint.best
+            sets._discard()
+        return sorted({os.path.basename(shards.set_base(f)) for f in sets.staged}), sorted(sets.retired)
+
+    staged, retired = decide(0)
+    assert [n for n in staged if n.startswith("checkpoint.best_loss_3.5")] and retired == ["checkpoint.best_loss_4.0000"]
+    assert all(decide(rank) == (staged, retired) for rank in (1, 2, 3))

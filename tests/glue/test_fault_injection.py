@@ -337,7 +337,8 @@ def test_a_resume_takes_the_newest_complete_set_when_checkpoint_last_is_damaged(
     run_train(train_argv(data_bin, save, *ARGS, "--max-update", "3"))
     lines = [r.getMessage() for r in caplog.records if "newest complete set" in r.getMessage()]
     assert len(lines) == 1 and "checkpoint_last-rank-1.pt is missing" in lines[0], lines
-    assert f"resuming from {shards.shared_path(newer)} + rank files instead (update 2)" in lines[0]
+    assert f"resuming from the expert-parallel set {shards.shared_path(newer)} + rank files" in lines[0]
+    assert "instead (update 2)" in lines[0]
     assert [h["num_updates"] for h in torch.load(save / "checkpoint_last.pt", weights_only=True)
             ["optimizer_history"]][-2:] == [2, 3]
     for base in (older, newer, other):

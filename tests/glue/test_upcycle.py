@@ -171,7 +171,7 @@ def test_refusals(dense_mt, dense_lm, data_bin, lm_data_bin, tmp_path, capsys):
 def test_check_fits_names_the_cause():
     """checkpoint.check_fits, the check of every state fairseq-train loads: task, dictionary, a missing optimizer
     state, and cosine gates from before the learned temperature; quiet where it cannot tell (no embed_tokens)."""
-    from fairseq_moe.checkpoint import check_fits
+    from fairseq_moe.fits import check_fits
 
     mt = {"encoder.embed_tokens.weight": (10, 4), "decoder.embed_tokens.weight": (10, 4)}
     lm = {"decoder.embed_tokens.weight": (10, 4)}
