@@ -281,3 +281,33 @@ def test_keep_best_counts_the_same_sets_on_every_rank(tmp_path):
     staged, retired = decide(0)
     assert [n for n in staged if n.startswith("checkpoint.best_loss_3.5")] and retired == ["checkpoint.best_loss_4.0000"]
     assert all(decide(rank) == (staged, retired) for rank in (1, 2, 3))
+
+
+def one_rank(folder, save_id="1" * 32):
+    return commit.SetSave(str(folder), save_id, 0, 1, gather=lambda obj: [obj])
+
+
+def test_a_failed_write_is_one_line_and_a_bug_keeps_its_traceback(tmp_path):
+    (tmp_path / "checkpoint_last-shared.pt").write_bytes(b"old")
+    for error, raised in ((OSError(28, "No space left on device"), SaveError),
+                          (RuntimeError("[enforce fail at inline_container.cc] file write failed"), SaveError),
+                          (AttributeError("a bug"), AttributeError)):
+        sets = one_rank(tmp_path)
+        sets.write({"x": 1}, str(tmp_path / "checkpoint_last-shared.pt"))
+        with pytest.raises(raised) as e:
+            sets.finish(error)
+        assert e.value is error or "failed on rank 0 of 1" in str(e.value)
+        assert os.listdir(tmp_path) == ["checkpoint_last-shared.pt"]  # staged file taken back
+        assert (tmp_path / "checkpoint_last-shared.pt").read_bytes() == b"old"
+
+
+def test_a_staged_file_gone_before_the_commit_replaces_nothing(tmp_path):
+    (tmp_path / "checkpoint_last-shared.pt").write_bytes(b"old")
+    sets = one_rank(tmp_path)
+    sets.write({"x": 1}, str(tmp_path / "checkpoint_last-shared.pt"))
+    sets.write({"x": 1}, str(tmp_path / "checkpoint_last-rank-0.pt"))
+    os.remove(shards.staged_path(str(tmp_path / "checkpoint_last-rank-0.pt"), sets.save_id))
+    with pytest.raises(SaveError, match="could not be committed on rank 0 .*rank-0.pt.* is gone.*nothing was replaced"):
+        sets.finish()
+    assert os.listdir(tmp_path) == ["checkpoint_last-shared.pt"]
+    assert (tmp_path / "checkpoint_last-shared.pt").read_bytes() == b"old"
