@@ -346,26 +346,27 @@ def models_by_set_name(load):
     def wrapped(filenames, arg_overrides=None, task=None, strict=True, suffix="", num_shards=1, state=None):
         if state is None and num_shards == 1:
             named = [_by_set_name(f, suffix) for f in filenames]
-            if any(n != f for n, f in zip(named, filenames)):  # a set: its shared file, the suffix in its name
-                filenames, suffix = named, ""
+            if any(n is not None for n in named):  # a set's shared file has the suffix in its name: all do now
+                filenames = [n or f.replace(".pt", suffix + ".pt") for n, f in zip(named, filenames)]
+                suffix = ""
         return load(filenames, arg_overrides, task, strict, suffix, num_shards, state)
 
     return wrapped
 
 
 def _by_set_name(filename, suffix):
-    """The shared file of the set that filename (with suffix) names; else filename, when fairseq finds it."""
+    """The shared file of the set that filename (with suffix) names; None when fairseq finds what it names."""
     from fairseq.file_io import PathManager
 
     checkpoint_utils = importlib.import_module(_CKPT)
     if PathManager.exists(checkpoint_utils.get_maybe_sharded_checkpoint_filename(filename, suffix, 0, 1)):
-        return filename
+        return None
     named = filename.replace(".pt", suffix + ".pt")  # (as fairseq adds the suffix)
     found = shards.locate(named)
     if found is not None and found[0] == "set":
         return shards.shared_path(found[1])
     if "://" in filename:
-        return filename  # (a remote path: fairseq's own error)
+        return None  # (a remote path: fairseq's own error)
     raise MissingCheckpointError(f"{named}: no such checkpoint" + (
         f" (nor the set {shards.set_base(named)}-shared.pt + rank files)" if named.endswith(".pt") else ""))
 

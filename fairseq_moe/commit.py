@@ -91,9 +91,10 @@ def write_journal(folder, save_id, suffix, world_size, commit, retire):
 
 def switch(folder, journal, path, renamed_all=None):
     """Step 4, from the journal at path (every part can be redone): the staged files take their names,
-    rank files beyond the save's world size go (a set of an earlier, larger run); then (after
-    renamed_all(n renamed), when given: it may raise to keep the journal) the retired sets go, their staged
-    files of this save too, and the journal. Returns the number of files renamed."""
+    rank files beyond the save's world size go (a set of an earlier, larger run); once every committed file
+    is in place (renamed here or by a reader; else SaveError, and the journal and the retired sets stay),
+    renamed_all() when given, then the retired sets go, their staged files of this save too, and the
+    journal. Returns the number of files renamed here."""
     W, renamed = journal["world_size"], 0
     for name in journal["commit"]:
         base = os.path.join(folder, name)
@@ -106,8 +107,12 @@ def switch(folder, journal, path, renamed_all=None):
             if rank is not None and int(rank) >= W:
                 _remove(old)
     fsync_folder(folder)
+    for name in journal["commit"]:
+        for staged, final in shards.committed_files(os.path.join(folder, name), journal):
+            if os.path.lexists(staged) or not os.path.exists(final):
+                raise SaveError(f"{final} is not in place after the switch of {os.path.basename(path)}")
     if renamed_all is not None:
-        renamed_all(renamed)
+        renamed_all()
     for name in journal["retire"]:
         base = os.path.join(folder, name)
         for staged, _ in shards.committed_files(base, journal):
@@ -135,7 +140,11 @@ def recover(folder, suffix):
     if not os.path.isdir(folder):
         return
     for path, journal in shards.journals(folder, suffix or ""):
-        n = switch(folder, journal, path)
+        try:
+            n = switch(folder, journal, path)
+        except SaveError as e:  # (a file of the committed save is gone: the resume falls back to another set)
+            logger.warning(f"{e}: the journal and the sets it retires are left as they are")
+            continue
         logger.info("finished the save %s committed before a stop: %d file(s) renamed, sets %s in place%s",
                     os.path.basename(path), n, ", ".join(journal["commit"]) or "none",
                     f", {', '.join(journal['retire'])} retired" if journal["retire"] else "")
@@ -263,15 +272,8 @@ class SetSave:
         except Exception as e:
             return False, error_line(e)
         self._step("committed")
-        expected = len(commit) * (self.world_size + 1)
-
-        def renamed_all(n):
-            if n != expected:  # (the journal stays: nothing is retired, the resume falls back)
-                raise SaveError(f"{n} of the {expected} staged files renamed")
-            self._step("switched")
-
         try:
-            switch(self.folder, shards.read_journal(path), path, renamed_all)
+            switch(self.folder, shards.read_journal(path), path, renamed_all=lambda: self._step("switched"))
         except Exception as e:
             return True, error_line(e)
         logger.info("committed the checkpoint sets %s (%d ranks)%s", ", ".join(sorted(commit)), self.world_size,

@@ -81,8 +81,8 @@ def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg
 # Of the model's flags: those that decide which weights its MoE layers hold (names and shapes), with the
 # model's sizes; and those that choose only how a layer runs, not what it computes or learns (never named).
 STRUCTURAL = {"moe_expert_count", "moe_expert_ffn_dim", "moe_shared_expert_count", "moe_routing", "moe_gate",
-              "moe_soft_slots", "encoder_moe_freq", "decoder_moe_freq", "encoder_embed_dim", "decoder_embed_dim",
-              "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_layers", "decoder_layers"}
+              "moe_soft_slots", "moe_freq", "encoder_moe_freq", "decoder_moe_freq", "encoder_embed_dim",
+              "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_layers", "decoder_layers"}
 EXECUTION = {"moe_kernel_backend", "moe_a2a_local_size", "moe_a2a_overlap_degree"}
 # The model config's names of the layer's flags (--moe-top-k -> moe_top_k), and of the model's own MoE flags.
 LAYER_FLAGS = {flag[2:].replace("-", "_") for flag in FLAGS.values() if flag.startswith("--moe-")} | {
@@ -97,9 +97,9 @@ def _section(cfg, key):
 
 
 def _flag_values(model_cfg):
-    """{flag name: value} of an MoE model's config (an argparse Namespace or a mapping), as the model reads
-    them: --moe-top1-expert is --moe-top-k 1, an unset expert width each side's FFN width, a side's MoE
-    frequency 0 --moe-freq's."""
+    """({flag name: value}, [sides]) of an MoE model's config (an argparse Namespace or a mapping), the
+    values as the model reads them: --moe-top1-expert is --moe-top-k 1, an unset --moe-eval-top-k the top-k,
+    an unset expert width the FFN width of the sides with MoE layers (flag_changes reads the placement)."""
     get = (lambda k: getattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else model_cfg.get
     has = (lambda k: hasattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else (lambda k: k in model_cfg)
     values = {k: get(k) for k in (LAYER_FLAGS | STRUCTURAL) - EXECUTION if has(k)}
@@ -107,26 +107,38 @@ def _flag_values(model_cfg):
         values["moe_top_k"] = 1
     elif values.get("moe_top_k", 0) is None:
         values["moe_top_k"] = MoEConfig.top_k
-    sides = [s for s in ("encoder", "decoder") if f"{s}_moe_freq" in values or (s == "decoder" and "moe_freq" in values)]
+    if values.get("moe_eval_top_k", 0) is None:
+        values["moe_eval_top_k"] = values.get("moe_top_k")
+    sides = [s for s in ("encoder", "decoder") if has(f"{s}_layers")]  # (a language model: the decoder)
     if values.get("moe_expert_ffn_dim", 0) is None:
-        widths = sorted({values.get(f"{s}_ffn_embed_dim") for s in sides} - {None})
+        moe_sides = [s for s in sides if values.get(f"{s}_moe_freq") or values.get("moe_freq")]
+        widths = sorted({values.get(f"{s}_ffn_embed_dim") for s in moe_sides} - {None})
         values["moe_expert_ffn_dim"] = widths[0] if len(widths) == 1 else "/".join(map(str, widths)) or None
-    freq = values.pop("moe_freq", None)
-    for side in sides:
-        values[f"{side}_moe_freq"] = values.get(f"{side}_moe_freq") or freq
-    return values
+    return values, sides
+
+
+_PLACEMENT = {"moe_freq", "encoder_moe_freq", "decoder_moe_freq"}
 
 
 def flag_changes(saved_model_cfg, model_cfg):
-    """{'--flag': (saved value, this run's)} of the model flags that differ ({} when either config is unknown)."""
+    """{'--flag': (saved value, this run's)} of the model flags that differ ({} when either config is unknown).
+    Where the MoE layers are is said with the flag that places them: a side's own frequency, or --moe-freq
+    where neither run set the side's (0: as --moe-freq)."""
     if saved_model_cfg is None or model_cfg is None:
         return {}
     try:
-        a, b = _flag_values(saved_model_cfg), _flag_values(model_cfg)
+        (a, sides_a), (b, sides_b) = _flag_values(saved_model_cfg), _flag_values(model_cfg)
     except (AttributeError, TypeError):
         return {}
+    changes = {k: (a[k], b[k]) for k in set(a) & set(b) - _PLACEMENT if a[k] != b[k]}
+    for side in (s for s in sides_a if s in sides_b):
+        own_a, own_b = a.get(f"{side}_moe_freq") or 0, b.get(f"{side}_moe_freq") or 0
+        key = f"{side}_moe_freq" if own_a or own_b else "moe_freq"
+        va, vb = own_a or a.get("moe_freq"), own_b or b.get("moe_freq")
+        if va != vb:
+            changes[key] = (va, vb)
     shown = lambda v: "(unset)" if v is None else v  # noqa: E731
-    return {"--" + k.replace("_", "-"): (shown(a[k]), shown(b[k])) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+    return {"--" + k.replace("_", "-"): (shown(va), shown(vb)) for k, (va, vb) in sorted(changes.items())}
 
 
 def _said(changes, which):
@@ -150,5 +162,5 @@ def structure_mismatch(saved, model_keys, experts, counts_checked):
             got, want = (got[1:], want[1:]) if counts_checked else (got, (experts[name],) + want[1:])
         if got != want:
             return f"{name} is {tuple(saved[name].shape)} there, {tuple(shape)} here"
-    extra = sorted(n for n in saved if ".moe." in n and n not in model_keys)
+    extra = sorted(n for n in saved if ".moe." in n and n not in model_keys and not n.endswith(".routing_bias"))
     return f"it has {extra[0]}, this model has not" if extra else None

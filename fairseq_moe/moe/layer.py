@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
         self._load = None  # [E] assignments chosen since the last bias update (training forwards)
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
-            self.register_load_state_dict_pre_hook(_fresh_bias_if_missing)
+        self.register_load_state_dict_pre_hook(_bias_as_configured)
         if ep is not None:
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
@@ -240,7 +240,12 @@ class MoELayer(nn.Module):
         )
 
 
-def _fresh_bias_if_missing(module, state_dict, prefix, *args):
-    """A checkpoint trained without the balancing bias loads into a layer that has one: a zero bias."""
-    if prefix + "routing_bias" not in state_dict:
-        state_dict[prefix + "routing_bias"] = torch.zeros_like(module.routing_bias)
+def _bias_as_configured(module, state_dict, prefix, *args):
+    """The balancing bias follows the layer's --moe-bias-update-rate, not the checkpoint's: a checkpoint
+    trained without it loads into a layer that has one with a zero bias; one trained with it loads into a
+    layer without one by leaving its bias out (the routing then follows the scores alone)."""
+    bias = getattr(module, "routing_bias", None)
+    if bias is not None and prefix + "routing_bias" not in state_dict:
+        state_dict[prefix + "routing_bias"] = torch.zeros_like(bias)
+    elif bias is None:
+        state_dict.pop(prefix + "routing_bias", None)

@@ -38,5 +38,31 @@ def test_routing_flags_changed_on_resume_are_one_log_line(data_bin, trained_chec
                          "--moe-top-k", "1", "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.001"))
     lines = [r.getMessage() for r in caplog.records if r.name == "fairseq_moe.fits"]
     assert len(lines) == 1, lines
-    assert ("saved with --moe-bias-update-rate 0.0, --moe-score softmax, --moe-top-k 2; this run has "
-            "--moe-bias-update-rate 0.001, --moe-score sigmoid, --moe-top-k 1: the weights load as saved") in lines[0]
+    assert ("saved with --moe-bias-update-rate 0.0, --moe-eval-top-k 2, --moe-score softmax, --moe-top-k 2; this "
+            "run has --moe-bias-update-rate 0.001, --moe-eval-top-k 1, --moe-score sigmoid, --moe-top-k 1: the "
+            "weights load as saved") in lines[0]  # (an unset eval top-k is the top-k)
+
+
+def test_the_balancing_bias_may_be_turned_off_on_resume(data_bin, tmp_path, caplog):
+    biased = tmp_path / "biased"
+    run_train(train_argv(data_bin, biased, *ARGS, "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.001"))
+    caplog.set_level(logging.WARNING, logger="fairseq_moe.fits")
+    run_train(train_argv(data_bin, tmp_path / "x", *ARGS[:-1], "4", "--restore-file",
+                         str(biased / "checkpoint_last.pt"), "--moe-score", "sigmoid"))
+    assert "saved with --moe-bias-update-rate 0.001; this run has --moe-bias-update-rate 0.0" in caplog.text
+
+
+def test_the_flag_that_places_the_moe_layers_is_named():
+    """A language model has no --encoder-moe-freq; a side's 0 means --moe-freq, which is then the flag."""
+    from argparse import Namespace
+
+    from fairseq_moe.fits import flag_changes
+
+    lm = dict(decoder_layers=2, decoder_ffn_embed_dim=64, encoder_moe_freq=0, decoder_moe_freq=0,
+              moe_expert_ffn_dim=None)
+    assert flag_changes(Namespace(**lm, moe_freq=2), Namespace(**lm, moe_freq=1)) == {"--moe-freq": (2, 1)}
+    mt = dict(lm, encoder_layers=2, encoder_ffn_embed_dim=256, moe_freq=0)
+    dense_encoder = Namespace(**dict(mt, decoder_moe_freq=2))
+    assert flag_changes(dense_encoder, Namespace(**dict(mt, decoder_moe_freq=1))) == {"--decoder-moe-freq": (2, 1)}
+    # An unset expert width is the width of the sides with MoE layers (the dense encoder's 256 is not one).
+    assert flag_changes(dense_encoder, Namespace(**dict(mt, decoder_moe_freq=2, moe_expert_ffn_dim=64))) == {}

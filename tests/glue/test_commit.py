@@ -311,3 +311,47 @@ def test_a_staged_file_gone_before_the_commit_replaces_nothing(tmp_path):
         sets.finish()
     assert os.listdir(tmp_path) == ["checkpoint_last-shared.pt"]
     assert (tmp_path / "checkpoint_last-shared.pt").read_bytes() == b"old"
+
+
+def test_a_reader_renaming_during_the_switch_does_not_fail_the_save(tmp_path):
+    """fairseq-generate opens checkpoint_last while rank 0 switches (after the journal): whichever renames a
+    file, the save is made."""
+    base = str(tmp_path / "checkpoint_last")
+    sets = commit.SetSave(str(tmp_path), "2" * 32, 0, 1, gather=lambda obj: [obj],
+                          on_step=lambda step: step == "committed" and shards.finish_renames(base))
+    sets.write({"x": 1}, shards.shared_path(base))
+    sets.write({"x": 2}, shards.rank_path(base, 0))
+    sets.finish()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last-rank-0.pt", "checkpoint_last-shared.pt"]
+
+
+def test_recover_leaves_a_committed_save_whose_file_is_gone_and_what_it_retires(tmp_path, caplog):
+    """A committed save one of whose staged files is gone (removed by hand): its set cannot be completed, so
+    the sets it retires stay for the resume to fall back to, and so does the journal."""
+    sid = "3" * 32
+    for name in ("checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt", f"checkpoint_1_4-shared.pt.{sid}.staged"):
+        (tmp_path / name).write_bytes(b"x")
+    commit.write_journal(str(tmp_path), sid, "", 1, ["checkpoint_1_4"], ["checkpoint_1_2"])
+    caplog.set_level("WARNING")
+    commit.recover(str(tmp_path), "")
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt",
+                                                   "checkpoint_1_4-shared.pt", f"moe-commit-{sid}.json"])
+    assert "checkpoint_1_4-rank-0.pt is not in place" in caplog.text
+
+
+def test_set_names_for_fairseqs_model_loader(tmp_path):
+    """--path A.pt:B.pt with --checkpoint-suffix -S, A-S a set and B-S.pt a file: fairseq gets A-S's shared
+    file and B-S.pt (the suffix in both names, none passed on); a path naming nothing is one error."""
+    from fairseq_moe.checkpoint import models_by_set_name
+    from fairseq_moe.errors import MissingCheckpointError
+
+    for name in ("a-S-shared.pt", "a-S-rank-0.pt", "b-S.pt", "c.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    seen = []
+    load = models_by_set_name(lambda *args: seen.append(args))
+    load([str(tmp_path / "a.pt"), str(tmp_path / "b.pt")], None, None, True, "-S", 1, None)
+    assert seen[-1][0] == [str(tmp_path / "a-S-shared.pt"), str(tmp_path / "b-S.pt")] and seen[-1][4] == ""
+    load([str(tmp_path / "c.pt")], None, None, True, "", 1, None)  # what fairseq finds: as given
+    assert seen[-1][0] == [str(tmp_path / "c.pt")]
+    with pytest.raises(MissingCheckpointError, match="d-S.pt: no such checkpoint"):
+        load([str(tmp_path / "d.pt")], None, None, True, "-S", 1, None)
