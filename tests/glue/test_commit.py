@@ -279,7 +279,8 @@ def test_keep_best_counts_the_same_sets_on_every_rank(tmp_path):
         return sorted({os.path.basename(shards.set_base(f)) for f in sets.staged}), sorted(sets.retired)
 
     staged, retired = decide(0)
-    assert [n for n in staged if n.startswith("checkpoint.best_loss_3.5")] and retired == ["checkpoint.best_loss_4.0000"]
+    assert [n for n in staged if n.startswith("checkpoint.best_loss_3.5")]
+    assert retired == ["checkpoint.best_loss_4.0000"]
     assert all(decide(rank) == (staged, retired) for rank in (1, 2, 3))
 
 
