@@ -1,6 +1,6 @@
 """Fixes for the fairseq 0.12 releases this plugin supports, installed by patches.py when fairseq loads
 the plugin (dense models run with the plugin get them too: see the README): the dropped last batch,
-multi-rank resume under torch >= 2.6, NumPy 2, torchrun on CPU.
+multi-rank resume under torch >= 2.6, NumPy 2, torchrun on CPU, ranks that exit together.
 """
 
 import os
@@ -103,5 +103,20 @@ def torchrun_on_cpu(infer_init_method):
         cfg.distributed_rank = int(os.environ["RANK"])
         cfg.device_id = 0  # no CUDA device to pick
         cfg.distributed_no_spawn = True  # the launcher made the processes
+
+    return wrapped
+
+
+def leave_together(distributed_main):
+    """fairseq's distributed_main ends with a barrier and leaves its process groups to the interpreter's exit,
+    where a gloo rank can abort (std::terminate) while its peer closes the connections: after the barrier,
+    the groups are destroyed here, on every rank, in order (also when the rank stops on an error: its exit
+    code is then the error's, not SIGABRT's)."""
+    def wrapped(*args, **kwargs):
+        try:
+            distributed_main(*args, **kwargs)
+        finally:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     return wrapped

@@ -86,6 +86,9 @@ PATCHES = (
     Patch("fairseq.distributed.utils", "infer_init_method", "fairseq_moe.compat:torchrun_on_cpu",
           "under torchrun on CPU fairseq 0.12 trains N independent models into one folder, or divides by "
           "the CUDA device count (0)", wraps=True),
+    Patch("fairseq.distributed.utils", "distributed_main", "fairseq_moe.compat:leave_together",
+          "the ranks' process groups are destroyed after fairseq's final barrier: left to the interpreter's exit, "
+          "a gloo rank can abort with std::terminate as its peer closes the connections", wraps=True),
     *(Patch(f"fairseq.{m}", "np", "fairseq_moe.compat:NUMPY_1",
             "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
             since="0.12 with NumPy >= 2", when=lambda: not hasattr(importlib.import_module("numpy"), "compat"))
