@@ -117,15 +117,34 @@ def test_dtype_decides_too():
         backend.resolve("triton", "cpu", torch.float64)
 
 
+def installed_top_levels(dist):
+    """The top-level import names a distribution installs: the first part of each file it recorded (a
+    regular install), or the names its editable finder maps (`pip install -e .`: setuptools'
+    __editable___NAME_finder.py, whose MAPPING is {import name: folder})."""
+    import ast
+
+    tops = set()
+    for f in dist.files or ():
+        first = f.parts[0]
+        if first.startswith("__editable___") and first.endswith("_finder.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                target = node.target if isinstance(node, ast.AnnAssign) else (
+                    node.targets[0] if isinstance(node, ast.Assign) else None)
+                if getattr(target, "id", None) == "MAPPING":
+                    tops |= set(ast.literal_eval(node.value))
+        elif not first.endswith((".dist-info", ".pth")) and first != "__pycache__":
+            tops.add(first)
+    return tops
+
+
 def test_installed_under_a_name_that_cannot_clash():
     """setup.py installs kernels/ as fairseq_moe_kernels: a top-level `kernels` would overwrite Hugging
-    Face's package of that name (or be overwritten by it)."""
+    Face's package of that name (or be overwritten by it). The same for `pip install -e .`."""
     import importlib.metadata
 
     # What pip installed (its RECORD), not an egg-info that a build left in the checkout.
-    records = [d.read_text("RECORD") for d in importlib.metadata.distributions(name="fairseq-moe")]
-    records = [r for r in records if r]
-    if not records:
+    installed = [d for d in importlib.metadata.distributions(name="fairseq-moe") if d.read_text("RECORD")]
+    if not installed:
         pytest.skip("fairseq-moe is not installed here (scripts/test.sh installs it)")
-    tops = {line.split("/")[0] for line in records[0].splitlines()}
-    assert "fairseq_moe_kernels" in tops and "kernels" not in tops
+    tops = installed_top_levels(installed[0])
+    assert "fairseq_moe_kernels" in tops and "fairseq_moe" in tops and "kernels" not in tops, tops
