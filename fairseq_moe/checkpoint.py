@@ -158,11 +158,9 @@ def run_state(trainer):
 def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     # Here, not at model build: only the trainer sees the whole config under fairseq-hydra-train too.
     spread = expert_params(model, spread_only=True)
-    from .tasks.expert_stats import MoETaskMixin
-
     refusals.check("trainer", refusals.Context(flags=refusals.training_flags(cfg), spread=bool(spread), model=model,
                                                criterion=criterion, task=cfg.get("task"),
-                                               moe_task=isinstance(task, MoETaskMixin)))
+                                               moe_task=getattr(task, "moves_routing_biases", False)))
     patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
 

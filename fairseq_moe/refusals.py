@@ -29,11 +29,12 @@ class Context:
         return getattr(self.flags, name, default)
 
     def layers(self):
-        """The MoEConfig of every MoE layer of the model (trainer stage; none without a model)."""
-        from .models.moe_ffn import moe_blocks  # (the table is imported before fairseq's models)
+        """The MoEConfig of every MoE layer of the model (trainer stage; none without a model), read from the
+        layers themselves (the refusals sit below the fairseq models that hold them)."""
+        from .moe import MoELayer
 
-        model = self.model if hasattr(self.model, "named_modules") else None
-        return [block.moe.cfg for _, block in moe_blocks(model)] if model is not None else []
+        modules = self.model.modules() if hasattr(self.model, "modules") else ()
+        return [m.cfg for m in modules if isinstance(m, MoELayer)]
 
     def loss(self, name):
         """A setting of the MoE criterion (MoELossConfig), None for another criterion."""
@@ -58,15 +59,13 @@ def _adaptive_softmax(ctx):
 
 
 def _model_routed_by(routing, **settings):
-    """An example model: one MoE block with this routing (for the test of the table)."""
+    """An example model: one MoE layer with this routing (for the test of the table)."""
     from torch import nn
 
-    from .models.moe_ffn import MoEFeedForward
-    from .moe import MoEConfig
+    from .moe import MoEConfig, MoELayer
 
     settings.setdefault("top_k", 1 if routing == "hash" else 2)
-    return nn.Sequential(MoEFeedForward(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing,
-                                                  **settings)))
+    return nn.Sequential(MoELayer(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing, **settings)))
 
 
 REFUSALS = (

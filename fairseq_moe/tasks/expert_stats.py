@@ -95,6 +95,8 @@ class ExpertLoadLog:
 class MoETaskMixin:
     """Put it first among a fairseq task's bases; moe_task_name: the name the task is registered under."""
 
+    moves_routing_biases = True  # its optimizer_step does (what the refusals read, without importing tasks)
+
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
         self.load_log = None
