@@ -11,7 +11,10 @@ setup(
     # The folder kernels/ installs as the package fairseq_moe_kernels: a top-level "kernels" would
     # overwrite (or be overwritten by) Hugging Face's `kernels` package. In a checkout, the symlink
     # fairseq_moe_kernels -> kernels gives the same import name.
-    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*"]) + ["fairseq_moe_kernels"],
+    # The MoE layer is a package of its own, fairseq_moe_layer: a plain-PyTorch program imports it without
+    # fairseq_moe/__init__ (the plugin's door to fairseq) ever running.
+    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "fairseq_moe_layer", "fairseq_moe_layer.*"])
+    + ["fairseq_moe_kernels"],
     package_dir={"fairseq_moe_kernels": "kernels"},
     install_requires=[
         "torch>=2.1",

@@ -5,7 +5,7 @@
 
 Measured: one process per rank (gloo over loopback), rows of random routing (each rank sends a
 different number of rows to each peer, as after top-k routing), median time of the exchange
-fairseq_moe.moe.comm.all_to_all does, flat and hierarchical (L = 2 local ranks), same data.
+fairseq_moe_layer.comm.all_to_all does, flat and hierarchical (L = 2 local ranks), same data.
 On one machine the "inter-node" step is loopback too, so the measurement checks the overhead of the
 two-step exchange (extra messages, the two local reorders), not the network gain.
 
@@ -89,7 +89,7 @@ def _free_port():
 
 
 def _measure(rank, W, port, rows, d, reps, out):
-    from fairseq_moe.moe.comm import all_to_all, exchange_counts, expert_parallel
+    from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,

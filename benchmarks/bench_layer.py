@@ -34,9 +34,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fairseq_moe.moe import MoEConfig, MoELayer  # noqa: E402
+from fairseq_moe_layer import MoEConfig, MoELayer  # noqa: E402
 from kernel_cases import DenseFFNs  # noqa: E402  (beside this script: the same baseline as bench_kernels)
-import fairseq_moe.moe.layer as layer_module  # noqa: E402
+import fairseq_moe_layer.layer as layer_module  # noqa: E402
 
 # Targets at the largest T of the grid (16384 by default): time ratio per E, and memory ratio.
 TIME_TARGETS = {8: 1.15, 32: 1.3, 128: 1.6}

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_layer import dense_backward, dense_forward, finish, interleaved, moe_backward, parser, start  # noqa: E402
 from fairseq_moe.inspect import recording  # noqa: E402  (what a layer hands its expert computation)
-from fairseq_moe.moe import MoEConfig, MoELayer  # noqa: E402
+from fairseq_moe_layer import MoEConfig, MoELayer  # noqa: E402
 from kernel_cases import DenseFFNs  # noqa: E402
 
 OVERHEAD_TARGET = (32, 16384, 0.15)  # the routing overhead of every sparse policy at (E, T)

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from fairseq_moe.moe import MoEConfig, MoELayer
-from fairseq_moe.moe.experts import Experts
+from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer.experts import Experts
 from fairseq_moe_kernels.backend import OPS as BACKEND_OPS
 from fairseq_moe_kernels.cases import CASES, SKEWS, make_inputs  # noqa: F401  (bench_kernels imports them here)
 

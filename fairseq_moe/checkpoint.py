@@ -37,7 +37,7 @@ def register_safe_globals():
 
 def expert_params(model, spread_only=False):
     """{state-dict name: (first expert, local experts, E)} of the expert tensors (only the spread ones)."""
-    from .moe import MoELayer
+    from fairseq_moe_layer import MoELayer
 
     out = {}
     for name, layer in model.named_modules():

@@ -30,7 +30,7 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
-from .moe.config import SECOND_EXPERT_POLICIES
+from fairseq_moe_layer.config import SECOND_EXPERT_POLICIES
 from .new_files import refuse_existing, write_new
 from .reshard import run_tool
 from .upcycle import moe_checkpoint, section

@@ -30,7 +30,7 @@ import uuid
 import torch
 
 from .errors import CheckpointError, MissingCheckpointError
-from .moe.comm import local_experts
+from fairseq_moe_layer.comm import local_experts
 
 FORMAT = 1
 _SHARD = re.compile(r"^(?P<base>.*?)(-shared|-rank-(?P<rank>\d+))?\.pt$")

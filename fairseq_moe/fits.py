@@ -7,7 +7,7 @@ import logging
 
 from . import expert_checkpoint as shards
 from .errors import CheckpointError
-from .moe.config import FLAGS, MoEConfig
+from fairseq_moe_layer.config import FLAGS, MoEConfig
 
 logger = logging.getLogger(__name__)
 

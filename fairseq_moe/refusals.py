@@ -31,7 +31,7 @@ class Context:
     def layers(self):
         """The MoEConfig of every MoE layer of the model (trainer stage; none without a model), read from the
         layers themselves (the refusals sit below the fairseq models that hold them)."""
-        from .moe import MoELayer
+        from fairseq_moe_layer import MoELayer
 
         modules = self.model.modules() if hasattr(self.model, "modules") else ()
         return [m.cfg for m in modules if isinstance(m, MoELayer)]
@@ -62,7 +62,7 @@ def _model_routed_by(routing, **settings):
     """An example model: one MoE layer with this routing (for the test of the table)."""
     from torch import nn
 
-    from .moe import MoEConfig, MoELayer
+    from fairseq_moe_layer import MoEConfig, MoELayer
 
     settings.setdefault("top_k", 1 if routing == "hash" else 2)
     return nn.Sequential(MoELayer(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing, **settings)))

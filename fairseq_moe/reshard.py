@@ -18,7 +18,7 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .checkpoint import register_safe_globals
-from .moe.comm import expert_parallel_size
+from fairseq_moe_layer.comm import expert_parallel_size
 from .new_files import one_line, refuse_existing, write_new
 
 

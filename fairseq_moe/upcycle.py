@@ -32,7 +32,7 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
-from .moe.config import ACTIVATIONS
+from fairseq_moe_layer.config import ACTIVATIONS
 from .new_files import refuse_existing, write_new
 from .reshard import run_tool
 

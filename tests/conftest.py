@@ -8,6 +8,8 @@ import torch
 # before triton is first imported, so here, before any test module imports kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A rank that dies on a fatal signal (SIGABRT, SIGSEGV) prints every thread's Python stack (helpers.tail).
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from torch import nn
 
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
-from ..moe import MoEConfig, MoELayer
+from fairseq_moe_layer import MoEConfig, MoELayer
 
 
 class MoEFeedForward(nn.Module):

@@ -21,11 +21,11 @@ from fairseq_moe_kernels import backend as kernel_backend
 
 from .. import refusals
 from ..errors import FlagError
-from ..moe import GATES, MoEConfig
-from ..moe.config import EXPERT_GRAD_NORMALIZATIONS, FLAGS, SECOND_EXPERT_POLICIES
-from ..moe.gates import NOISES
-from ..moe.routing import ROUTINGS
-from ..moe.comm import expert_parallel
+from fairseq_moe_layer import GATES, MoEConfig
+from fairseq_moe_layer.config import EXPERT_GRAD_NORMALIZATIONS, FLAGS, SECOND_EXPERT_POLICIES
+from fairseq_moe_layer.gates import NOISES
+from fairseq_moe_layer.routing import ROUTINGS
+from fairseq_moe_layer.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
 logger = logging.getLogger(__name__)

@@ -157,3 +157,12 @@ def unwrapped(main):
     """A fairseq tool's main without the plugin's one-line error printing (cli.py): the tests see the
     exception itself."""
     return getattr(main, "__wrapped__", main)
+
+
+def tail(log, n=3000):
+    """The end of a process's output for an assertion message; where Python died on a fatal signal
+    (PYTHONFAULTHANDLER, set in tests/conftest.py), the stacks faulthandler printed instead."""
+    start = log.find("Fatal Python error")
+    if start >= 0:
+        return log[start:start + n]
+    return log[-n:]

@@ -26,7 +26,7 @@ import torch
 from fairseq_moe import commit
 from fairseq_moe import expert_checkpoint as shards
 from fairseq_moe.errors import SaveError
-from fairseq_moe.moe.comm import local_experts
+from fairseq_moe_layer.comm import local_experts
 
 E = 4
 EXPERTS = {"layer.experts.w1": (E, 3, 5), "layer.experts.b1": (E, 5)}

@@ -12,7 +12,7 @@ import torch
 
 from fairseq_moe import expert_checkpoint as shards
 from fairseq_moe.errors import CheckpointError
-from fairseq_moe.moe.comm import local_experts
+from fairseq_moe_layer.comm import local_experts
 from fairseq_moe.reshard import main as reshard_main
 
 E = 4
@@ -266,7 +266,7 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     import subprocess
     import sys
 
-    from .helpers import run_train, train_argv
+    from .helpers import run_train, tail, train_argv
 
     run_train(train_argv(data_bin, tmp_path / "a", *SGD, "--max-update", "2"))
     save = tmp_path / "run.pt2" / "save"
@@ -284,7 +284,7 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
                        "--restore-file", str(save / "checkpoint_last.pt"))]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, tail(out.stderr)
     state = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in state["optimizer_history"]][-2:] == [2, 3]  # resumed at 2
     assert sorted(os.listdir(save)) == sorted(

@@ -15,7 +15,7 @@ import torch
 
 from fairseq_moe import expert_checkpoint as shards
 
-from .helpers import USER_DIR, assert_same_params, run_generate, run_train, train_argv
+from .helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 
 # SGD, not Adam: the key-projection biases have an exactly-zero gradient (softmax ignores a shift),
 # and Adam would turn float rounding there into full-size steps of random sign.
@@ -33,7 +33,7 @@ def launch(world_size, save_dir, *argv):
 
 def finish(proc):
     out = subprocess.CompletedProcess(proc.args, None, *proc.communicate(timeout=600))
-    assert proc.returncode == 0, out.stderr[-3000:]
+    assert proc.returncode == 0, tail(out.stderr)
     return out
 
 
@@ -183,7 +183,7 @@ def test_torchrun_equals_the_launcher(data_bin, tmp_path, launched):
         procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
                  for c in commands]
         logs = [p.communicate(timeout=600)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), logs[0][-3000:]
+        assert all(p.returncode == 0 for p in procs), tail(logs[0])
         assert sorted(os.listdir(tmp_path / name)) == sorted(os.listdir(many))
         b = shards.assemble(str(tmp_path / name / "checkpoint_last"))
         torch.testing.assert_close(b["model"], a["model"], rtol=0, atol=0)

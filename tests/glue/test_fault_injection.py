@@ -18,7 +18,7 @@ from fairseq_moe import expert_checkpoint as shards
 from fairseq_moe.errors import CheckpointError, MissingCheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
-from .helpers import USER_DIR, run_generate, run_train, train_argv
+from .helpers import USER_DIR, run_generate, run_train, tail, train_argv
 
 ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
 
@@ -163,7 +163,7 @@ def test_two_ranks_print_one_error_line_and_exit_2(data_bin, trained_checkpoint,
         assert snapshot(tmp_path / "set") == {k[len("set/"):]: v for k, v in before.items()}
     log = out.stdout + out.stderr
     errors = [line for line in log.splitlines() if ": error: " in line]
-    assert out.returncode == 2, log[-3000:]
+    assert out.returncode == 2, tail(log)
     assert len(errors) == 1 and errors[0].startswith(expected), errors
     assert "Traceback" not in log
     if case == "other expert count":
@@ -224,7 +224,7 @@ def reference_losses(data_bin, tmp_path_factory):
     def of(W):
         if W not in made:
             out = launch_w(W, data_bin, tmp_path_factory.mktemp(f"reference{W}"), *SAVES)
-            assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+            assert out.returncode == 0, tail(out.stdout + out.stderr)
             made[W] = losses(out.stdout + out.stderr)
         return made[W]
 
@@ -249,16 +249,16 @@ def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, ref
     save = tmp_path / "save"
     out = launch_w(W, data_bin, save, *SAVES, fault=fault, victim=victim, script=tmp_path / "faulty.py")
     log = out.stdout + out.stderr
-    assert out.returncode != 0, log[-3000:]
+    assert out.returncode != 0, tail(log)
     if fault == "disk full":
         errors = [line for line in log.splitlines() if ": error: " in line]
-        assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+        assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, tail(log)
         assert f"failed on rank {victim} of {W}" in errors[0] and "File too large" in errors[0], errors
         assert "nothing was replaced" in errors[0]
     before = snapshot(save)
     resumed = launch_w(W, data_bin, save, *SAVES)
     log_resumed = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, log_resumed[-3000:]
+    assert resumed.returncode == 0, tail(log_resumed)
     b = losses(log_resumed)
     assert sorted(b) == list(range(resumes_at + 1, 7)), sorted(b)
     reference = reference_losses(W)
@@ -284,7 +284,7 @@ def test_a_set_this_run_did_not_write_survives_its_saves(data_bin, tmp_path):
         (save / name).write_bytes(b"partial")
     out = launch_w(2, data_bin, save, *ARGS, "--max-update", "3", "--save-interval-updates", "1",
                    "--keep-interval-updates", "5", "--max-tokens", "100")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.returncode == 0, tail(out.stdout + out.stderr)
     for name in ("checkpoint_best_old-shared.pt", "checkpoint_1_99-rank-1.pt", "checkpoint3-shared.pt"):
         assert (save / name).read_bytes() == b"partial"
 

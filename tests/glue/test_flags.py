@@ -110,7 +110,7 @@ def test_eval_bleu_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
     from fairseq.trainer import Trainer
 
     from fairseq_moe.models import moe_transformer
-    from fairseq_moe.moe.comm import ExpertParallel
+    from fairseq_moe_layer.comm import ExpertParallel
 
     task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--eval-bleu", "--eval-bleu-detok", "space"))
     assert task.cfg.eval_bleu  # on one process it is fine
@@ -158,7 +158,7 @@ def test_layerdrop_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
     """Each rank draws its own layers to skip: an MoE layer skipped on one rank would leave the others
     waiting in its all-to-all. On one process LayerDrop is fine."""
     from fairseq_moe.models import moe_transformer
-    from fairseq_moe.moe.comm import ExpertParallel
+    from fairseq_moe_layer.comm import ExpertParallel
 
     task, model, _, args = build(train_argv(data_bin, tmp_path, "--encoder-layerdrop", "0.5"))
     spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
@@ -180,7 +180,7 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
 
     from fairseq_moe.refusals import training_flags
     from fairseq_moe.models import moe_transformer
-    from fairseq_moe.moe.comm import ExpertParallel
+    from fairseq_moe_layer.comm import ExpertParallel
 
     task, _, criterion, args = build(train_argv(data_bin, tmp_path, "--optimizer", "adafactor", "--lr", "0.01"))
     cfg = convert_namespace_to_omegaconf(args)
@@ -204,7 +204,7 @@ def test_defaults_live_in_one_place():
                                                           MoELabelSmoothedCrossEntropyCriterion)
     from fairseq_moe.criterions.moe_loss import MoELossConfig
     from fairseq_moe.models.moe_transformer import LAYER_FLAGS, moe_base_architecture
-    from fairseq_moe.moe import MoEConfig
+    from fairseq_moe_layer import MoEConfig
 
     args = Namespace()
     moe_base_architecture(args)

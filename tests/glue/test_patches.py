@@ -91,8 +91,8 @@ print(json.dumps({"changed": changed, "applied": applied,
 @pytest.mark.slow
 def test_the_layer_and_the_kernels_alone_change_nothing():
     code = SNAPSHOT + r"""
-import fairseq_moe.moe, fairseq_moe_kernels, fairseq_moe_kernels.backend
-from fairseq_moe.moe import MoELayer
+import fairseq_moe_layer, fairseq_moe_kernels, fairseq_moe_kernels.backend
+from fairseq_moe_layer import MoELayer
 assert "fairseq" not in sys.modules  # the layer does not even import it
 import fairseq, fairseq.checkpoint_utils, fairseq.trainer, fairseq_cli.train, fairseq.models.transformer_lm
 print(json.dumps({"ours": ours(), "safe": [g.__name__ for g in torch.serialization.get_safe_globals()
@@ -154,3 +154,19 @@ def test_a_dense_run_with_the_plugin_trains_as_without_it(data_bin, tmp_path):
         states.append(torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True))
     torch.testing.assert_close(states[1]["model"], states[0]["model"], rtol=0, atol=0)
     assert states[1]["optimizer_history"][-1]["num_updates"] == 3
+
+
+@pytest.mark.slow
+def test_import_order_does_not_matter():
+    """A script or notebook that imports fairseq_moe before fairseq gets the plugin registered, as fairseq's
+    --user-dir does; importing fairseq_moe alone imports no fairseq."""
+    got = run(SNAPSHOT + r"""
+import fairseq_moe
+alone = "fairseq" in sys.modules
+import fairseq
+from fairseq.models import ARCH_MODEL_REGISTRY
+from fairseq import checkpoint_utils
+print(json.dumps({"alone": alone, "arch": "moe_transformer" in ARCH_MODEL_REGISTRY,
+                  "patched": checkpoint_utils.save_checkpoint.__module__, "loader": type(fairseq.__loader__).__name__}))
+""")
+    assert got == {"alone": False, "arch": True, "patched": "fairseq_moe.checkpoint", "loader": "SourceFileLoader"}

@@ -55,7 +55,7 @@ def expert_weights(E, d=D, f=F, seed=0):
 
 
 def routed(T, E, k, empty=(), only=None, capacity=None, seed=0):
-    """(token_index [N], weights [N], counts [E]) built as fairseq_moe.moe.routing.route does: the k*T
+    """(token_index [N], weights [N], counts [E]) built as fairseq_moe_layer.routing.route does: the k*T
     assignments in priority order (choice-major), stably sorted by expert, cut at the capacity."""
     logits = torch.randn(T, E, generator=gen(seed))
     logits[:, list(empty)] -= 100.0  # never chosen

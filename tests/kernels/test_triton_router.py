@@ -17,7 +17,7 @@ import importlib
 import pytest
 import torch
 
-from fairseq_moe.moe.routing import route
+from fairseq_moe_layer.routing import route
 from fairseq_moe_kernels.reference import router, sort_assignments
 
 # Without a GPU, Triton runs in its interpreter on CPU tensors (tests/conftest.py); with one, the same

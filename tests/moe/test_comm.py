@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fairseq_moe.moe import MoEConfig, MoELayer
-from fairseq_moe.moe.comm import all_to_all, exchange_counts, expert_parallel
+from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
 
 
 def free_port():
@@ -195,7 +195,7 @@ def test_expert_parallel(world_size):
 
 @pytest.mark.parametrize("D", [1, 2, 3, 7])
 def test_overlap_chunks_partition_every_block(D):
-    from fairseq_moe.moe.pipeline import chunk_counts, chunk_index
+    from fairseq_moe_layer.pipeline import chunk_counts, chunk_index
 
     send = torch.tensor([[3, 0, 2], [0, 0, 0], [1, 5, 4], [0, 1, 0]])  # [P, El], an empty peer
     chunks = chunk_counts(send, D)  # [P, D, El]

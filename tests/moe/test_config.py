@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fairseq_moe.moe import MoEConfig, MoELayer
+from fairseq_moe_layer import MoEConfig, MoELayer
 
 GOOD = dict(model_dim=8, ffn_dim=16, num_experts=4, top_k=2)
 

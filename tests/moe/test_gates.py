@@ -1,10 +1,10 @@
-"""Contract of every registered gate (fairseq_moe.moe.GATES): logits [T, E] in fp32 for fp32, fp64
+"""Contract of every registered gate (fairseq_moe_layer.GATES): logits [T, E] in fp32 for fp32, fp64
 and bf16 input, with either gate_fp32 setting; gradient reaches every gate parameter; the gate
 works inside MoELayer(gate=name), including the all-padding path."""
 import pytest
 import torch
 
-from fairseq_moe.moe import GATES, MoEConfig, MoELayer
+from fairseq_moe_layer import GATES, MoEConfig, MoELayer
 
 d, E = 16, 6
 

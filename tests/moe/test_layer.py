@@ -6,7 +6,7 @@
    experts, dropless and dropping: outputs and the gradients of x, gate weight, w1, b1, w2, b2;
 4. [B, T, d] with padding: pads give zeros, change nothing else, stay out of the losses;
    all-padding works end to end.
-Also: activation dropout is off in eval; fairseq_moe.moe imports without fairseq.
+Also: activation dropout is off in eval; fairseq_moe_layer imports without fairseq.
 """
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from .oracle import moe_oracle
 
-from fairseq_moe.moe import MoEConfig, MoELayer
+from fairseq_moe_layer import MoEConfig, MoELayer
 
 PARAMS = ("gate.weight", "experts.w1", "experts.b1", "experts.w2", "experts.b2")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -189,8 +189,8 @@ def test_padding_mask_shape_is_checked():
 
 @pytest.mark.slow
 def test_moe_package_imports_without_fairseq():
-    """fairseq_moe/__init__.py says fairseq_moe.moe is usable without fairseq."""
-    code = "import sys; sys.modules['fairseq'] = None; import fairseq_moe.moe"
+    """fairseq_moe/__init__.py says fairseq_moe_layer is usable without fairseq."""
+    code = "import sys; sys.modules['fairseq'] = None; import fairseq_moe_layer"
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]

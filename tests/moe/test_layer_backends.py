@@ -4,7 +4,7 @@ Each kernel is checked against its reference in tests/kernels; this checks how t
 import pytest
 import torch
 
-from fairseq_moe.moe import MoEConfig, MoELayer
+from fairseq_moe_layer import MoEConfig, MoELayer
 
 pytest.importorskip("triton")
 

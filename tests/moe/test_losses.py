@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_moe.moe import MoEConfig, MoELayer
-from fairseq_moe.moe.losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
+from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer.losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
 
 
 def test_balance_loss_uniform_router_is_one():

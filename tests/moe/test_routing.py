@@ -7,7 +7,7 @@ import pytest
 import torch
 from .oracle import expected_routing
 
-from fairseq_moe.moe import MoEConfig, MoELayer, route
+from fairseq_moe_layer import MoEConfig, MoELayer, route
 
 # T=6 tokens, E=3 experts, k=2; each row's (first, second) choice is in the comment.
 LOGITS = torch.tensor(

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from fairseq_moe.moe import MoEConfig
-from fairseq_moe.moe.routing import route
+from fairseq_moe_layer import MoEConfig
+from fairseq_moe_layer.routing import route
 
 from .oracle import topk_oracle
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fairseq_moe.moe import MoEConfig, MoELayer
-from fairseq_moe.moe.gates import noisy_logits
-from fairseq_moe.moe.routing import ROUTINGS, soft_weights
+from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer.gates import noisy_logits
+from fairseq_moe_layer.routing import ROUTINGS, soft_weights
 
 from .oracle import expert_choice_oracle, policy_oracle
 

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from fairseq_moe.moe import MoEConfig, MoELayer
-from fairseq_moe.moe.routing import route
+from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer.routing import route
 
 BASE = MoEConfig(model_dim=4, ffn_dim=4, num_experts=6, top_k=2)
 

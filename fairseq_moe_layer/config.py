@@ -1,6 +1,6 @@
 """MoEConfig: every knob of one MoE layer, validated in one place.
 
-Letter legend used across fairseq_moe/moe: T tokens, d model dim, f expert ffn dim,
+Letter legend used across fairseq_moe_layer: T tokens, d model dim, f expert ffn dim,
 E experts, k experts per token, C capacity (assignments an expert may take).
 """
 import math
