@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from fairseq_moe_layer import MoEConfig, MoELayer
 from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
+from fairseq_moe_layer.routing import ROUTINGS
 
 
 def free_port():
@@ -159,6 +160,25 @@ def _run_all(rank, W, checks):
         fn(rank, W, *args)
 
 
+def _every_policy():
+    """_check_layer of every policy in ROUTINGS: top-2, or top-1 where the policy takes no other (hash); at
+    capacity with all-to-alls overlapped in 2 chunks, and dropless, where the policy has a dropless form."""
+    checks = []
+    for name in sorted(ROUTINGS):
+        def valid(**kw):
+            try:
+                MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, routing=name, **kw).validate()
+                return True
+            except ValueError:
+                return False
+
+        k = 2 if valid(top_k=2) else 1
+        checks.append((_check_layer, (4, k, 1.0, None, 2, "torch", name)))
+        if valid(top_k=k, capacity_factor=0.0):
+            checks.append((_check_layer, (4, k, 0.0, None, 1, "torch", name)))
+    return checks
+
+
 # One spawn per world size runs all its checks: a process start-up costs seconds here.
 CHECKS = {
     2: [
@@ -168,12 +188,9 @@ CHECKS = {
         (_check_bad_split, ()),
         (_check_layer, (4, 2, 1.0, None, 1, "triton")),  # Triton kernels (interpreter) across ranks
         (_check_layer, (4, 2, 0.0, None, 2, "triton")),  # ... and in the overlapped chunks
-        (_check_layer, (4, 2, 1.0, None, 1, "torch", "expert_choice")),  # every routing policy
-        (_check_layer, (4, 2, 0.0, None, 2, "torch", "dense")),
+        *_every_policy(),  # every registered routing policy, at capacity and dropless
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
-        (_check_layer, (4, 1, 1.0, None, 1, "torch", "hash")),
-        (_check_layer, (4, 1, 0.0, None, 2, "torch", "soft")),  # Soft MoE's slots, overlapped all-to-alls
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
