@@ -8,6 +8,9 @@
 Data path: gate -> route (the policy: top-k, expert choice, dense; capacity) -> permute ->
 [all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
 spread over ranks (ep).
+
+Letters: T tokens, d model dim, f expert FFN dim, E experts (E_local on this rank), k experts per token,
+N rows routed (sorted by expert), G groups and n tokens per group (Soft MoE).
 """
 import dataclasses
 from dataclasses import dataclass, field

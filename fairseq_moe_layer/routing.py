@@ -10,6 +10,9 @@ A policy maps logits [T, E] to a Routing: rows sorted by expert, each with its t
 - hash (Roller et al. 2021): a fixed map from the token id to an expert, no learned router.
 - soft (Puigcerver et al. 2023): no routing of tokens at all; MoELayer mixes tokens into slots
   (soft_weights); registered here so that --moe-routing offers it.
+
+Letters: T tokens (of this rank, padding removed), E experts, k experts per token, C capacity (rows per
+expert), N the rows kept (N <= T * k).
 """
 from dataclasses import dataclass
 from typing import Optional

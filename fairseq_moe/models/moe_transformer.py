@@ -234,8 +234,9 @@ class MoETransformerDecoder(TransformerDecoderBase):
 
 def prepare_moe_build(args, sides):
     """A checked copy of args for building a model whose `sides` ('encoder', 'decoder') have MoE layers:
-    MoE defaults applied, layer ids and the expert-parallel group derived. Every bad flag fails here,
-    named, before a single weight is built."""
+    MoE defaults applied, layer ids derived, and the expert-parallel process groups created (a collective:
+    with several ranks, every rank builds the model at the same point). Every bad flag fails here, named,
+    before a single weight is built."""
     # A copy: fairseq saves the caller's object in checkpoints, where layer ids and process groups must not
     # go. fairseq-hydra-train passes a DictConfig, whose extra keys TransformerConfig.from_namespace drops.
     args = Namespace(**(vars(args) if isinstance(args, Namespace)
