@@ -25,10 +25,10 @@ import os
 import re
 import shutil
 
-import torch
 
 from . import expert_checkpoint as shards
 from .errors import SaveError
+from .new_files import one_line, write_exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,13 @@ def _fresh(path):
 def write_synced(obj, path):
     """torch.save(obj) to the new file path, flushed to disk."""
     _fresh(path)
-    with open(path, "xb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_exclusive(obj, path)
 
 
 def copy_synced(src, dst):
     _fresh(dst)
-    with open(src, "rb") as a, open(dst, "xb") as b:
-        shutil.copyfileobj(a, b, 1 << 22)
-        b.flush()
-        os.fsync(b.fileno())
+    with open(src, "rb") as a:
+        write_exclusive(a, dst, dump=lambda a, b: shutil.copyfileobj(a, b, 1 << 22))
 
 
 def _remove(path):
@@ -287,5 +282,5 @@ def _io_error(e):
 
 
 def error_line(e):
-    """An exception as one line: its type and the first line of its message."""
-    return f"{type(e).__name__}: {e}".splitlines()[0]
+    """An exception as one line: its type and its message (new_files.one_line)."""
+    return f"{type(e).__name__}: {one_line(e)}"

@@ -31,6 +31,21 @@ def _publish(tmp, path):
         os.rename(tmp, path)
 
 
+def write_exclusive(obj, path, dump=None):
+    """Write obj as the new file path (created here: never a file or link that is there), flushed to disk:
+    dump(obj, binary file), torch.save by default. Returns its os.stat."""
+    with open(path, "xb") as f:
+        if dump is None:
+            import torch
+
+            torch.save(obj, f)
+        else:
+            dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return os.fstat(f.fileno())
+
+
 class Writer:
     """Writes each output whole (in a fresh private folder beside it, then linked to its name), never over
     anything, and can take back what it published."""
@@ -46,16 +61,7 @@ class Writer:
             if self.staging is None:
                 self.staging = tempfile.mkdtemp(prefix=".new-", dir=os.path.dirname(os.path.abspath(path)))
             tmp = os.path.join(self.staging, os.path.basename(path))
-            with open(tmp, "xb") as f:
-                if dump is None:
-                    import torch
-
-                    torch.save(obj, f)
-                else:
-                    dump(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-                st = os.fstat(f.fileno())
+            st = write_exclusive(obj, tmp, dump)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
             raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
         _publish(tmp, path)
