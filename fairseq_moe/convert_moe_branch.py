@@ -30,7 +30,7 @@ import torch
 from . import expert_checkpoint as shards
 from . import safe_eval
 from .errors import CheckpointError, FlagError
-from fairseq_moe_layer.config import SECOND_EXPERT_POLICIES
+from fairseq_moe_layer.routing import TopK
 from .new_files import refuse_existing, write_new
 from .reshard import run_tool
 from .upcycle import moe_checkpoint, section
@@ -213,11 +213,11 @@ def convert(prefix, out):
     top1 = _field(cfg, "moe_top1_expert", bool, False, shared_path)
     fraction = _field(cfg, "moe_eval_capacity_token_fraction", float, 0.25, shared_path)
     policy = "all" if top1 else _field(cfg, "moe_second_expert_policy", str, "sampling", shared_path,
-                                       choices=SECOND_EXPERT_POLICIES)
+                                       choices=TopK.options["second_expert_policy"].metadata["choices"])
     normalize = _field(cfg, "moe_normalize_gate_prob_before_dropping", bool, False, shared_path) and not top1
     name = "moe_transformer" if "encoder" in sides else "moe_transformer_lm"
     cfg.update(_name=name, arch=name, moe_expert_count=E, moe_freq=0, decoder_moe_freq=freqs["decoder"],
-               moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing="topk",
+               moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing=TopK.name,
                moe_expert_ffn_dim=None,  # (the moe branch ignores it: an expert is as wide as its side's FFN)
                moe_capacity_factor=1.0,  # (training capacity: the moe branch's ceil(k * T / E), up to rounding)
                # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity

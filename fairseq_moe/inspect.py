@@ -98,9 +98,9 @@ def recording(layers):
     routing only (benchmarks/bench_routing.py uses it too)."""
     seen = defaultdict(list)
     for name, layer in layers:
-        if layer.cfg.routing == "soft":
-            raise FlagError(f"{name} uses --moe-routing soft: its tokens are mixed into slots, none goes to an "
-                            f"expert (nothing to show per token)")
+        if layer.policy.slots:
+            raise FlagError(f"{name} uses --moe-routing {layer.cfg.routing}: its tokens are mixed into slots, none "
+                            f"goes to an expert (nothing to show per token)")
         if layer.ep is not None:
             raise FlagError("inspect runs on one process (load the checkpoint there: sets load at any world size)")
 

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fairseq_moe_layer import ROUTINGS
+
 from .errors import FlagError
 
 
@@ -47,10 +49,30 @@ class Refusal:
     flags: tuple  # the flags involved
     stage: str  # "build" or "trainer"
     refused: Callable[[Context], bool]
-    message: str
+    message: object  # str.format(**flags), or a callable(ctx) -> str
     why: str
     example: dict = field(default_factory=dict)  # Context fields that trigger it (flags: a dict; a callable
     # field: called to make the value), for the test
+
+    def text(self, ctx):
+        """The message for ctx."""
+        return self.message(ctx) if callable(self.message) else self.message.format(**vars(ctx.flags))
+
+
+def _mixes(routing):
+    policy = ROUTINGS.get(routing)
+    return policy is not None and policy.mixes_tokens
+
+
+def _names(which):
+    """The routing policies for which which(policy) holds, as a message lists them."""
+    names = sorted(name for name, policy in ROUTINGS.items() if which(policy))
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else "none"
+
+
+def _first(which):
+    """The first routing policy (by name) for which which(policy) holds: an example for the test."""
+    return min(name for name, policy in ROUTINGS.items() if which(policy))
 
 
 def _adaptive_softmax(ctx):
@@ -64,7 +86,7 @@ def _model_routed_by(routing, **settings):
 
     from fairseq_moe_layer import MoEConfig, MoELayer
 
-    settings.setdefault("top_k", 1 if routing == "hash" else 2)
+    settings.setdefault("top_k", ROUTINGS[routing].only_top_k or 2)
     return nn.Sequential(MoELayer(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing, **settings)))
 
 
@@ -88,13 +110,14 @@ REFUSALS = (
             "MoE layers use torch's non-reentrant checkpoint, so that the router losses keep their gradients",
             {"flags": {"offload_activations": True}}),
     Refusal("token-mixing routing in a decoder", ("--moe-routing", "--decoder-moe-freq"), "build",
-            lambda c: c.flag("moe_routing") in ("expert_choice", "soft") and bool(c.flag("moe_decoder_layer_ids")),
-            "--moe-routing {moe_routing} cannot be used in decoder layers: it mixes the tokens of a batch or "
-            "sentence, so a token's output would depend on later tokens (--moe-freq {moe_freq}, "
-            "--decoder-moe-freq {decoder_moe_freq}). Keep MoE in the encoder only (--moe-freq 0 "
-            "--encoder-moe-freq N), or route the decoder with topk, dense or hash",
+            lambda c: _mixes(c.flag("moe_routing")) and bool(c.flag("moe_decoder_layer_ids")),
+            lambda c: f"--moe-routing {c.flag('moe_routing')} cannot be used in decoder layers: it mixes the tokens "
+            f"of a batch or sentence, so a token's output would depend on later tokens (--moe-freq "
+            f"{c.flag('moe_freq')}, --decoder-moe-freq {c.flag('decoder_moe_freq')}). Keep MoE in the encoder only "
+            f"(--moe-freq 0 --encoder-moe-freq N), or route the decoder with "
+            f"{_names(lambda p: not p.mixes_tokens)}",
             "a causal decoder must not see the future, and incremental decoding sees one token at a time",
-            {"flags": {"moe_routing": "expert_choice", "moe_decoder_layer_ids": [1], "moe_freq": 2,
+            {"flags": {"moe_routing": _first(lambda p: p.mixes_tokens), "moe_decoder_layer_ids": [1], "moe_freq": 2,
                        "decoder_moe_freq": 0}}),
     *(Refusal(f"LayerDrop in the {side} with spread experts", (f"--{side}-layerdrop",), "build",
               (lambda side: lambda c: c.spread and bool(c.flag(f"moe_{side}_layer_ids"))
@@ -150,11 +173,11 @@ REFUSALS = (
     Refusal("the neg_log balance-loss transform with routing that has no balance loss",
             ("--moe-gate-loss-transform", "--moe-routing"), "trainer",
             lambda c: c.loss("moe_gate_loss_transform") == "neg_log" and any(
-                layer.routing in ("expert_choice", "dense", "hash", "soft") for layer in c.layers()),
-            "--moe-gate-loss-transform neg_log cannot be used with --moe-routing expert_choice, dense, hash or "
-            "soft: they have no balance loss (it is 0, and its log -inf)",
+                not ROUTINGS[layer.routing].balance_loss for layer in c.layers()),
+            lambda c: f"--moe-gate-loss-transform neg_log cannot be used with --moe-routing "
+            f"{_names(lambda p: not p.balance_loss)}: they have no balance loss (it is 0, and its log -inf)",
             "the balance loss of those policies is zero",
-            {"model": lambda: _model_routed_by("expert_choice"),
+            {"model": lambda: _model_routed_by(_first(lambda p: not p.balance_loss)),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))}),
     Refusal("the aux-loss-free balancing bias with a task that is not an MoE task", ("--moe-bias-update-rate",
                                                                                    "--task"), "trainer",
@@ -162,16 +185,18 @@ REFUSALS = (
             "--moe-bias-update-rate needs --task moe_translation or moe_language_modeling: their optimizer step "
             "moves the routing biases; with another task they would never move",
             "the bias update runs after every optimizer step, from the MoE task",
-            {"model": lambda: _model_routed_by("topk", bias_update_rate=0.01), "moe_task": False}),
+            {"model": lambda: _model_routed_by(_first(lambda p: "bias_update_rate" in p.options),
+                                               bias_update_rate=0.01), "moe_task": False}),
     Refusal("Shazeer's importance and load losses without noisy top-k gating",
             ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer",
             lambda c: c.loss("moe_gate_loss_type") == "importance_load" and any(
-                layer.routing != "topk" or layer.gate_noise != "gaussian" or not layer.gate_noise_scale
+                not ROUTINGS[layer.routing].balance_loss or layer.gate_noise != "gaussian" or not layer.gate_noise_scale
                 for layer in c.layers()),
-            "--moe-gate-loss-type importance_load needs --moe-routing topk and --moe-gate-noise gaussian with a "
-            "--moe-gate-noise-scale > 0: its load term estimates, from that noise, how likely each expert is chosen",
+            lambda c: f"--moe-gate-loss-type importance_load needs --moe-routing {_names(lambda p: p.balance_loss)} "
+            "and --moe-gate-noise gaussian with a --moe-gate-noise-scale > 0: its load term estimates, from that "
+            "noise, how likely each expert is chosen",
             "Shazeer et al.'s load estimator is defined by the noise of noisy top-k gating",
-            {"model": lambda: _model_routed_by("topk"),
+            {"model": lambda: _model_routed_by(_first(lambda p: p.balance_loss)),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_type="importance_load"))}),
     Refusal("adaptive softmax with the MoE criterions", ("--adaptive-softmax-cutoff", "--criterion"), "trainer",
             _adaptive_softmax,
@@ -200,4 +225,4 @@ def check(stage, ctx):
     """Raise FlagError for the first refusal of `stage` that applies to ctx."""
     for refusal in REFUSALS:
         if refusal.stage == stage and refusal.refused(ctx):
-            raise FlagError(refusal.message.format(**vars(ctx.flags)))
+            raise FlagError(refusal.text(ctx))

@@ -5,16 +5,16 @@
     y, aux = layer(x, top_k=1, capacity_factor=2.0)   # other settings for this call only (Tutel)
     loss = task_loss + 0.01 * aux.balance_loss + 0.001 * aux.z_loss
 
-Data path: gate -> route (the policy: top-k, expert choice, dense; capacity) -> permute ->
+Data path: gate -> route (the routing policy, routing.py; capacity) -> permute ->
 [all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
-spread over ranks (ep).
+spread over ranks (ep). A policy that mixes tokens into slots (Policy.slots) has its own data path
+(its forward()).
 
 Letters: T tokens, d model dim, f expert FFN dim, E experts (E_local on this rank), k experts per token,
 N rows routed (sorted by expert), G groups and n tokens per group (Soft MoE).
 """
 import dataclasses
-from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 from typing import Optional
 
 import torch
@@ -26,50 +26,9 @@ from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_co
 from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES, noisy_logits
-from .losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
+from .losses import MoEAux, ShazeerInputs, balance_loss, gate_entropy, router_z_loss
 from .pipeline import pipelined_experts
-from .routing import ROUTINGS, soft_weights
-
-
-@dataclass
-class MoEAux:
-    """What one forward of a layer returns besides y. Losses carry grad; statistics do not."""
-
-    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss (0 where the policy balances)
-    z_loss: torch.Tensor  # scalar, router z-loss
-    demand: torch.Tensor  # [E] long, assignments per expert before dropping
-    counts: torch.Tensor  # [E] long, assignments per expert after dropping
-    num_tokens: int  # tokens routed (padding excluded)
-    top_k: int
-    entropy: torch.Tensor  # scalar, mean router entropy (nats)
-    dropped: object = 0.0  # Routing.dropped (a number or a 0-d tensor: read through dropped_fraction)
-    # What Shazeer's losses are computed from, when asked for (top-k routing): (probs, top_experts, and
-    # with Gaussian gate noise the clean and noisy logits, k and the noise std). None: they are zero.
-    shazeer: Optional[tuple] = field(default=None, repr=False)
-
-    @property
-    def dropped_fraction(self):
-        """Top-k: the fraction of the T*k assignments over capacity; expert choice: of the tokens taken by
-        no expert (a host read, when asked for)."""
-        return float(self.dropped)
-
-    @cached_property
-    def importance_loss(self):
-        """Shazeer et al.'s CV(importance)^2 (top-k routing; else 0), computed on first use only."""
-        return self.z_loss * 0.0 if self.shazeer is None else importance_loss(*self.shazeer[:2])
-
-    @cached_property
-    def load_loss(self):
-        """Shazeer et al.'s CV(load)^2 (top-k with Gaussian gate noise; else 0), computed on first use only."""
-        if self.shazeer is None or self.shazeer[2] is None:
-            return self.z_loss * 0.0
-        return load_loss(*self.shazeer[2:])
-
-    @property
-    def imbalance(self):
-        """max / mean of the per-expert demand; 1.0 is a perfectly even load."""
-        demand = self.demand.float()
-        return (demand.max() / demand.mean()).item() if self.num_tokens else 1.0
+from .routing import ROUTINGS
 
 
 class MoELayer(nn.Module):
@@ -79,9 +38,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg.validate()
         self.ep = ep
-        logits_per_token = cfg.num_experts * (cfg.soft_slots if cfg.routing == "soft" else 1)  # (soft: per slot)
-        self.gate = None if cfg.routing == "hash" else (  # (hash routing has no learned router)
-            GATES[cfg.gate](cfg.model_dim, logits_per_token, fp32=cfg.gate_fp32))
+        self.policy = ROUTINGS[cfg.routing]
+        self.gate = GATES[cfg.gate](cfg.model_dim, self.policy.router_outputs(cfg), fp32=cfg.gate_fp32) \
+            if self.policy.learned_router else None
         local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
         self.experts = Experts(
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
@@ -89,7 +48,7 @@ class MoELayer(nn.Module):
         )
         self.shared = Experts(cfg.shared_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout,
                               routed=False) if cfg.shared_experts else None
-        self._load = None  # [E] assignments chosen since the last bias update (training forwards)
+        self._demand = None  # [E] fp32: assignments asked for since the last bias update (training forwards)
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
         self.register_load_state_dict_pre_hook(_bias_as_configured)
@@ -104,17 +63,15 @@ class MoELayer(nn.Module):
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
-        cfg = self.cfg
-        if cfg.routing == "soft":
+        cfg, policy = self.cfg, self.policy
+        if policy.slots:
             if top_k is not None or capacity_factor is not None:
-                raise ValueError("--moe-routing soft has no top-k and no capacity to set for a call")
-            return self._soft(x, padding_mask)
+                raise ValueError(f"--moe-routing {cfg.routing} has no top-k and no capacity to set for a call")
+            return policy.forward(self, x, padding_mask)
         k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
         if k != cfg.top_k or capacity_factor is not None:
             cf = cfg.capacity_factor if capacity_factor is None else capacity_factor
-            # With k = 1 the options of the second and later choices have nothing to act on: off.
-            second = {} if k > 1 else dict(second_expert_policy="all", normalize_gate_prob_before_dropping=False)
-            cfg = dataclasses.replace(cfg, top_k=k, capacity_factor=cf, **second).validate()
+            cfg = dataclasses.replace(cfg, top_k=k, capacity_factor=cf, **policy.at_k(cfg, k)).validate()
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T_all, d]
         keep = None
@@ -134,57 +91,21 @@ class MoELayer(nn.Module):
             self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         bias = getattr(self, "routing_bias", None)
-        r = ROUTINGS[cfg.routing](logits, k, cfg.capacity(T, self.training), router, cfg, self.training,
-                                  bias=bias, token_ids=token_ids)
+        r = policy.route(logits, k, cfg.capacity(T, self.training), cfg, self.training, router=router, bias=bias,
+                         token_ids=token_ids)
         if bias is not None and self.training:
-            self._load = r.demand.detach().float() + (0 if self._load is None else self._load)
+            self._demand = r.demand.detach().float() + (0 if self._demand is None else self._demand)
         if self.ep is None:
             y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
         else:
             rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
-            y = ops.unpermute(self._remote(rows, r.counts, ops), r.token_index, r.weights, T)  # [T, d]
+            y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, r.weights, T)  # [T, d]
 
         if self.shared is not None:
             y = y + self.shared.all_tokens(x, ops)
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)
-        return y.view(shape), aux
-
-    def _soft(self, x, padding_mask):
-        """Soft MoE on x [G, n, d] (G groups of n tokens; [n, d]: one group): each expert's slots are
-        mixtures of a group's tokens, each token a mixture of its group's slot outputs (soft_weights)."""
-        cfg = self.cfg
-        shape = x.shape
-        if x.dim() not in (2, 3):
-            raise ValueError(f"--moe-routing soft takes x [groups, tokens, d] or [tokens, d], not {tuple(shape)}")
-        if padding_mask is not None and padding_mask.shape != shape[:-1]:
-            raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
-        x = x.reshape(shape[0] if x.dim() == 3 else 1, shape[-2], shape[-1])  # [G, n, d] (n = 0 too)
-        mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()
-        G, n, d = x.shape
-        E, p = cfg.num_experts, cfg.soft_slots
-        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
-        logits, _ = noisy_logits(self.gate, x.reshape(-1, d), cfg.gate_noise, cfg.gate_noise_scale, self.training)
-        logits = logits.view(G, n, E * p)
-        dispatch, combine = soft_weights(logits, mask)  # [G, n, E*p], fp32
-        slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*p, d]
-        rows = slots.view(G, E, p, d).transpose(0, 1).reshape(E * G * p, d)  # sorted by expert
-        counts = torch.full((E,), G * p, dtype=torch.long, device=x.device)
-        out = self.experts(rows, counts, ops) if self.ep is None else self._remote(rows, counts, ops)
-        out = out.view(E, G, p, d).transpose(0, 1).reshape(G, E * p, d)
-        y = torch.einsum("gns,gsd->gnd", combine.to(x.dtype), out)
-        if self.shared is not None:
-            y = y + self.shared.all_tokens(x.reshape(-1, d), ops).view(G, n, d)
-        if mask is not None:
-            y = y.masked_fill(mask.unsqueeze(-1), 0.0)
-        real = logits.reshape(G * n, E * p) if mask is None else logits[~mask]  # [T, E*p] of the real tokens
-        T = real.shape[0]
-        zero = self.gate.weight.sum() * 0.0
-        # "demand": how much of the tokens' outputs each expert provides (the combine weights it gets).
-        share = (combine.reshape(G * n, E * p) if mask is None else combine[~mask]).sum(0).view(E, p).sum(1)
-        aux = MoEAux(zero, router_z_loss(real) if T else zero, share.detach(), counts, T, 1,
-                     gate_entropy(torch.softmax(real.detach().float(), -1)) if T else zero.detach())
         return y.view(shape), aux
 
     def _apply(self, fn, *args, **kwargs):
@@ -202,15 +123,15 @@ class MoELayer(nn.Module):
         since the last update (an all-reduce when several processes train: call it on all of them)."""
         if not self.cfg.bias_update_rate:
             return
-        load = torch.zeros_like(self.routing_bias) if self._load is None else self._load.to(self.routing_bias)
+        load = torch.zeros_like(self.routing_bias) if self._demand is None else self._demand.to(self.routing_bias)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(load)
         with torch.no_grad():
             self.routing_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
-        self._load = None
+        self._demand = None
 
-    def _remote(self, rows, counts, ops):
+    def remote(self, rows, counts, ops):
         """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
         P, El = self.ep.size, self.ep.num_local_experts
         send = counts.view(P, El)  # rows for (destination rank, its local expert)
@@ -238,8 +159,8 @@ class MoELayer(nn.Module):
             top_k=k,
             entropy=gate_entropy(r.probs.detach()),
             dropped=r.dropped,
-            shazeer=None if r.top_experts is None else (
-                r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else (None,))),
+            shazeer=None if r.top_experts is None else ShazeerInputs(
+                r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else ())),
         )
 
 

@@ -1,4 +1,9 @@
-"""Router losses, as pure functions of the routing (no state, no module globals)."""
+"""Router losses, as pure functions of the routing (no state, no module globals), and MoEAux: what one
+forward of a layer returns besides y (its losses and statistics)."""
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional, Union
+
 import torch
 
 
@@ -52,3 +57,55 @@ def load_loss(clean, noisy, k, sigma):
     threshold = torch.where(noisy >= top[:, k - 1:k], top[:, k:k + 1], top[:, k - 1:k])
     load = torch.distributions.Normal(0.0, 1.0).cdf((clean - threshold) / sigma).sum(0)
     return _cv_squared(load)
+
+
+@dataclass
+class ShazeerInputs:
+    """What Shazeer et al.'s importance and load losses are computed from (policies with a balance loss)."""
+
+    probs: torch.Tensor  # [T, E] fp32 router probabilities
+    top_experts: torch.Tensor  # [T, k] the chosen experts
+    clean_logits: Optional[torch.Tensor] = None  # [T, E] without the Gaussian gate noise (None: no such noise)
+    noisy_logits: Optional[torch.Tensor] = None  # [T, E] with it
+    k: int = 1
+    noise_std: float = 0.0
+
+
+@dataclass
+class MoEAux:
+    """What one forward of a layer returns besides y. Losses carry grad; statistics do not."""
+
+    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss (0 where the policy balances)
+    z_loss: torch.Tensor  # scalar, router z-loss
+    demand: torch.Tensor  # [E] long, assignments per expert before dropping
+    counts: torch.Tensor  # [E] long, assignments per expert after dropping
+    num_tokens: int  # tokens routed (padding excluded)
+    top_k: int
+    entropy: torch.Tensor  # scalar, mean router entropy (nats)
+    dropped: Union[float, torch.Tensor] = 0.0  # Routing.dropped (read through dropped_fraction)
+    shazeer: Optional[ShazeerInputs] = field(default=None, repr=False)  # None: Shazeer's losses are zero
+
+    @property
+    def dropped_fraction(self):
+        """What the routing policy's Policy.dropped says (a host read, when asked for)."""
+        return float(self.dropped)
+
+    @cached_property
+    def importance_loss(self):
+        """Shazeer et al.'s CV(importance)^2 (policies with a balance loss; else 0), computed on first use only."""
+        s = self.shazeer
+        return self.z_loss * 0.0 if s is None else importance_loss(s.probs, s.top_experts)
+
+    @cached_property
+    def load_loss(self):
+        """Shazeer et al.'s CV(load)^2 (with Gaussian gate noise; else 0), computed on first use only."""
+        s = self.shazeer
+        if s is None or s.clean_logits is None:
+            return self.z_loss * 0.0
+        return load_loss(s.clean_logits, s.noisy_logits, s.k, s.noise_std)
+
+    @property
+    def imbalance(self):
+        """max / mean of the per-expert demand; 1.0 is a perfectly even load."""
+        demand = self.demand.float()
+        return (demand.max() / demand.mean()).item() if self.num_tokens else 1.0

@@ -11,7 +11,7 @@ from torch import nn
 
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
-from fairseq_moe_layer import MoEConfig, MoELayer
+from fairseq_moe_layer import ROUTINGS, MoEConfig, MoELayer
 
 
 class MoEFeedForward(nn.Module):
@@ -25,14 +25,14 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.moe = MoELayer(cfg, ep)
         self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
-        self.token_ids = None  # [B, T] long, set by the encoder/decoder for one forward (hash routing)
+        self.token_ids = None  # [B, T] long, set by the encoder/decoder for one forward (routing by token id)
         self.last_aux = None
 
     def forward(self, x):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
             mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
-        if self.moe.cfg.routing == "soft":  # Soft MoE mixes the tokens of one sentence: groups [B, T, C]
+        if self.moe.policy.slots:  # slots mix the tokens of one sentence: groups [B, T, C]
             y, self.last_aux = self.moe(x.transpose(0, 1), mask)
             return y.transpose(0, 1)
         ids = None if self.token_ids is None else self.token_ids.t()
@@ -46,9 +46,9 @@ class _MoEBlock:
     forward when --use-moe-pad-mask."""
 
     def __init__(self, cfg, moe_cfg: MoEConfig, ep=None, use_pad_mask=False, **kwargs):
-        # Policies that mix tokens (expert choice, soft) always keep padding out: it would change the
-        # output of the real tokens with the amount of padding in the batch.
-        mixes = moe_cfg.routing in ("expert_choice", "soft")
+        # Policies that mix tokens always keep padding out: it would change the output of the real tokens
+        # with the amount of padding in the batch.
+        mixes = ROUTINGS[moe_cfg.routing].mixes_tokens
         self.moe_cfg, self.ep, self.use_pad_mask = moe_cfg, ep, use_pad_mask or mixes
         super().__init__(cfg, **kwargs)
         self.activation_fn = _identity
@@ -96,12 +96,12 @@ def moe_blocks(model):
 
 @contextlib.contextmanager
 def token_ids(module, ids):
-    """ids [B, T] for the MoE blocks of module that route by token id (hash), for one forward. The blocks
+    """ids [B, T] for the MoE blocks of module that route by token id (Policy.needs_token_ids), for one forward. The blocks
     are found once per module (its layers do not change after the build), not at every forward."""
     blocks = module.__dict__.get("_hash_routed_blocks")
     if blocks is None:  # (a plain attribute, not a registered submodule list)
         blocks = module.__dict__["_hash_routed_blocks"] = [
-            block for _, block in moe_blocks(module) if block.moe.cfg.routing == "hash"]
+            block for _, block in moe_blocks(module) if block.moe.policy.needs_token_ids]
     for block in blocks:
         block.token_ids = ids
     try:

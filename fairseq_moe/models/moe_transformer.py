@@ -21,20 +21,18 @@ from fairseq_moe_kernels import backend as kernel_backend
 
 from .. import refusals
 from ..errors import FlagError
-from fairseq_moe_layer import GATES, MoEConfig
-from fairseq_moe_layer.config import EXPERT_GRAD_NORMALIZATIONS, FLAGS, SECOND_EXPERT_POLICIES
-from fairseq_moe_layer.gates import NOISES
-from fairseq_moe_layer.routing import ROUTINGS
+from fairseq_moe_layer import MoEConfig
+from fairseq_moe_layer.options import describe, flag_of, full_help, settings
 from fairseq_moe_layer.comm import expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
 logger = logging.getLogger(__name__)
 D = MoEConfig  # its field defaults are the defaults of the layer's flags
 
-# The layer's flags and their MoEConfig fields, from MoEConfig's FLAGS: their defaults are MoEConfig's (D).
-# Not among them: the sizes, fairseq's activation flags, and --moe-top-k / --moe-expert-ffn-dim (below).
-LAYER_FLAGS = {flag[2:].replace("-", "_"): name for name, flag in FLAGS.items()
-               if name not in ("model_dim", "ffn_dim", "top_k", "activation", "activation_dropout")}
+# The layer's flags (argparse dest -> MoEConfig field), from its settings: their defaults are MoEConfig's (D).
+# Not among them (cli=False): the sizes, fairseq's activation flags, and --moe-top-k / --moe-expert-ffn-dim,
+# which are the model's own (below).
+LAYER_FLAGS = {flag_of(f)[2:].replace("-", "_"): f.name for f in settings(MoEConfig) if f.metadata["cli"]}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -47,7 +45,6 @@ def add_moe_args(parser, encoder=True):
     """The MoE flags of the model (fairseq suppresses unset ones; defaults live in the archs).
     encoder=False: a decoder-only model (no --encoder-moe-freq)."""
     add = parser.add_argument
-    add("--moe-expert-count", type=int, metavar="E", help=f"experts per MoE layer (default {D.num_experts})")
     add("--moe-freq", type=int, metavar="N",
         help="make every N-th layer MoE" + (" on both sides (0: none unless a side's own freq is set)"
                                            if encoder else " (0: none unless --decoder-moe-freq is set)")
@@ -63,60 +60,6 @@ def add_moe_args(parser, encoder=True):
         help="hidden size of each expert (default: --encoder/decoder-ffn-embed-dim of the side)")
     add("--moe-top-k", type=int, metavar="K", help=f"experts per token: 1 is Switch, 2 is GShard (default {D.top_k})")
     add("--moe-top1-expert", action="store_true", help="alias of --moe-top-k 1 (fairseq's moe branch)")
-    add("--moe-capacity-factor", type=float, metavar="CF",
-        help=f"training capacity per expert = ceil(CF * k * tokens / experts); 0 = dropless "
-             f"(default {D.capacity_factor})")
-    add("--moe-eval-capacity-token-fraction", type=float, metavar="FR",
-        help=f"capacity at eval = ceil(FR * tokens); < 0: same as training; 0: dropless "
-             f"(default {D.eval_capacity_token_fraction})")
-    add("--moe-gate", choices=sorted(GATES), help=f"the router (default {D.gate})")
-    add("--moe-routing", choices=sorted(ROUTINGS),
-        help="who goes where: topk (each token picks its k experts), expert_choice (each expert picks "
-             "its ceil(CF * k * tokens / experts) tokens; encoder layers only), dense (every token to every "
-             f"expert, weighted), hash (token id mod E, no router; k = 1), soft (Soft MoE: slots mixing the tokens "
-             f"of a sentence; encoder layers only) (default {D.routing})")
-    add("--moe-soft-slots", type=int, metavar="P", help=f"soft: slots per expert (default {D.soft_slots})")
-    add("--moe-gate-noise", choices=NOISES,
-        help="training-only router noise: jitter multiplies the gate input by U(1-s, 1+s), gaussian adds "
-             f"N(0, s^2) to the logits (default {D.gate_noise})")
-    add("--moe-gate-noise-scale", type=float, metavar="S", help=f"s of --moe-gate-noise (default {D.gate_noise_scale})")
-    add("--moe-eval-top-k", type=int, metavar="K", help="experts per token at validation and generation "
-                                                       "(default: --moe-top-k)")
-    # Options of topk routing, as in fairseq's moe branch (and DeepSpeed's random token selection).
-    add("--moe-second-expert-policy", choices=SECOND_EXPERT_POLICIES,
-        help="choices 2..k in training: all (the k best), sampling (drawn from the softmax of the rest), "
-             f"random (kept with probability 2 x its weight) (default {D.second_expert_policy}; the moe "
-             "branch's is sampling)")
-    add("--moe-normalize-gate-prob-before-dropping", action="store_true",
-        help="renormalise the weights over the k choices before capacity dropping (default: after, over the kept)")
-    add("--moe-batch-prioritized-routing", action="store_true",
-        help="at capacity, tokens with the highest router probability first (default: by position)")
-    add("--moe-random-token-selection", action="store_true",
-        help="at capacity, tokens in a random order in training (DeepSpeed's RTS)")
-    add("--moe-score", choices=("softmax", "sigmoid"),
-        help=f"topk: the router's scores, softmax over the experts or sigmoid per expert (default {D.score})")
-    add("--moe-top1-weight", choices=("prob", "one"),
-        help="topk with k = 1: scale the expert's output by its router probability (prob, Switch) or not (one: "
-             "the weight renormalised over the one choice, as for k >= 2; the router then learns from the "
-             f"balance and z losses only) (default {D.top1_weight})")
-    add("--moe-bias-update-rate", type=float, metavar="G",
-        help="topk: > 0 adds DeepSeek-V3's aux-loss-free balancing bias to the scores for choosing, moved by G "
-             "toward balance after every update from the load of all ranks (checkpointed) (default 0: none)")
-    add("--moe-expert-groups", type=int, metavar="G", help="topk: the experts in G groups of consecutive experts "
-                                                           f"(default {D.expert_groups})")
-    add("--moe-topk-groups", type=int, metavar="M",
-        help="topk: each token's experts come from its M groups whose two best scores sum highest (default: all)")
-    add("--moe-shared-expert-count", type=int, metavar="N",
-        help="always-on experts beside the routed ones, on every token (DeepSeekMoE); replicated on every rank "
-             f"(default {D.shared_experts})")
-    add("--moe-normalize-expert-grad", choices=EXPERT_GRAD_NORMALIZATIONS,
-        help="with the experts spread over W ranks, divide their gradients by W (as data parallelism: W ranks "
-             f"== 1 process) or by sqrt(W x replicas) (default {D.expert_grad_normalization})")
-    add("--moe-gating-use-fp32", action="store_true",
-        help="compute the gate projection in fp32 under fp16/bf16 training"
-             + (" (the default)" if D.gate_fp32 else ""))
-    add("--no-moe-gating-use-fp32", dest="moe_gating_use_fp32", action="store_false",
-        help="compute the gate projection in the model dtype (softmax and top-k stay fp32)")
     add("--use-moe-pad-mask", action="store_true",
         help="keep padding tokens out of routing, capacity and the balance loss")
     add("--moe-a2a-local-size", type=int, metavar="L",
@@ -125,9 +68,25 @@ def add_moe_args(parser, encoder=True):
     add("--moe-a2a-overlap-degree", type=int, metavar="D",
         help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
-    add("--moe-kernel-backend", choices=kernel_backend.BACKENDS,
-        help="kernels of the MoE layers: torch (PyTorch ops), triton (fused Triton kernels), "
-             f"auto = triton on CUDA, torch elsewhere (default {D.kernel_backend})")
+    add_layer_args(parser)
+
+
+def add_layer_args(parser):
+    """One flag per setting of MoEConfig that the user sets as it is (its metadata: options.setting)."""
+    for f in settings(MoEConfig):
+        m = f.metadata
+        if not m["cli"]:
+            continue
+        if m["type"] is bool:
+            parser.add_argument(flag_of(f), action="store_true",
+                                help=full_help(f) + (" (the default)" if f.default else ""))
+            if m["negative"]:
+                parser.add_argument(m["negative"], dest=flag_of(f)[2:].replace("-", "_"), action="store_false",
+                                    help=f"the opposite of {flag_of(f)}")
+            continue
+        choices = None if m["choices"] is None else sorted(m["choices"])
+        parser.add_argument(flag_of(f), type=m["type"], choices=choices, metavar=None if choices else m["metavar"],
+                            help=f"{full_help(f)} (default {describe(f)})")
 
 
 def moe_config(args, side):

@@ -18,7 +18,7 @@ def test_every_refusal(refusal):
     assert refusal.stage in ("build", "trainer") and refusal.why and refusal.flags
     with pytest.raises(FlagError) as err:
         refusals.check(refusal.stage, context(refusal.example))
-    assert str(err.value) == refusal.message.format(**refusal.example.get("flags", {}))
+    assert str(err.value) == refusal.text(context(refusal.example))
     assert any(flag in str(err.value) for flag in refusal.flags)
     # The same flags with nothing else: refused only where the set-up needs the experts spread.
     quiet = dict(refusal.example, spread=False)

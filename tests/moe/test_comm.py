@@ -141,7 +141,7 @@ def _check_routing_bias(rank, W):
     spread(xs[rank])
     spread.update_routing_bias()
     full(torch.cat(xs))  # all the tokens on one process
-    want = 0.05 * torch.sign(full._load.mean() - full._load)
+    want = 0.05 * torch.sign(full._demand.mean() - full._demand)
     torch.testing.assert_close(spread.routing_bias, want)
     biases = [torch.empty_like(spread.routing_bias) for _ in range(W)]
     dist.all_gather(biases, spread.routing_bias)

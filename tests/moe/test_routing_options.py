@@ -35,7 +35,7 @@ def test_batch_prioritized_routing(k, capacity, training):
     logits = logits_for(k)
     probs = torch.softmax(logits, -1)
     order = sorted(range(len(probs)), key=lambda t: -float(probs[t].max()))
-    r = route(logits, k, capacity, options=opts(top_k=k, batch_prioritized_routing=True), training=training)
+    r = route(logits, k, capacity, cfg=opts(top_k=k, batch_prioritized_routing=True), training=training)
     check(r, topk_oracle(probs, k, capacity, order=order))
     plain = route(logits, k, capacity)
     if capacity == 3:
@@ -45,7 +45,7 @@ def test_batch_prioritized_routing(k, capacity, training):
 @pytest.mark.parametrize("capacity", [3, None])
 def test_normalize_gate_prob_before_dropping(capacity):
     logits = logits_for(7)
-    r = route(logits, 2, capacity, options=opts(normalize_gate_prob_before_dropping=True), training=True)
+    r = route(logits, 2, capacity, cfg=opts(normalize_gate_prob_before_dropping=True), training=True)
     check(r, topk_oracle(torch.softmax(logits, -1), 2, capacity, before=True))
 
 
@@ -55,7 +55,7 @@ def test_second_expert_sampling_draws_from_the_rest():
     T = 20000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(T, 1)
     torch.manual_seed(0)
-    r = route(logits, 2, None, options=opts(second_expert_policy="sampling"), training=True)
+    r = route(logits, 2, None, cfg=opts(second_expert_policy="sampling"), training=True)
     assert bool((r.top_experts[:, 0] == 0).all()) and bool((r.top_experts[:, 1] != 0).all())
     freq = torch.bincount(r.top_experts[:, 1], minlength=5).float() / T
     want = torch.softmax(logits[0, 1:], -1)
@@ -66,7 +66,7 @@ def test_second_expert_sampling_draws_from_the_rest():
     first, second = int(r.top_experts[t, 0]), int(r.top_experts[t, 1])
     rows = {e: r.weights[r.token_index == t][i] for i, e in enumerate(sorted({first, second}))}
     assert rows[first] == pytest.approx(float(p[first] / (p[first] + p[second])), rel=1e-5)
-    ev = route(logits[:10], 2, None, options=opts(second_expert_policy="sampling"), training=False)
+    ev = route(logits[:10], 2, None, cfg=opts(second_expert_policy="sampling"), training=False)
     assert ev.top_experts[:, 1].tolist() == [1] * 10
 
 
@@ -77,7 +77,7 @@ def test_second_expert_random_keeps_it_with_twice_its_weight(before):
     p = torch.softmax(logits[0], -1)
     g2 = float(p[1] / (p[0] + p[1])) if before else float(p[1])
     torch.manual_seed(1)
-    r = route(logits, 2, None, options=opts(second_expert_policy="random",
+    r = route(logits, 2, None, cfg=opts(second_expert_policy="random",
                                            normalize_gate_prob_before_dropping=before), training=True)
     assert r.counts[0] == T  # every first choice
     assert float(r.counts[1]) / T == pytest.approx(min(1.0, 2 * g2), abs=0.015)
@@ -87,7 +87,7 @@ def test_second_expert_random_keeps_it_with_twice_its_weight(before):
     # when normalised before.
     assert lone.numel() > 0 and torch.allclose(w, torch.full_like(w, float(p[0] / (p[0] + p[1])) if before else 1.0))
     assert float(r.dropped) == 0.0  # thinned choices are not counted as dropped
-    ev = route(logits[:10], 2, None, options=opts(second_expert_policy="random"), training=False)
+    ev = route(logits[:10], 2, None, cfg=opts(second_expert_policy="random"), training=False)
     assert ev.counts.tolist()[:2] == [10, 10]
 
 
@@ -97,16 +97,16 @@ def test_random_token_selection():
     logits = logits_for(3, T=40)
     o = opts(random_token_selection=True)
     torch.manual_seed(0)
-    a = route(logits, 2, 6, options=o, training=True)
+    a = route(logits, 2, 6, cfg=o, training=True)
     torch.manual_seed(1)
-    b = route(logits, 2, 6, options=o, training=True)
+    b = route(logits, 2, 6, cfg=o, training=True)
     plain = route(logits, 2, 6)
     assert a.counts.tolist() == plain.counts.tolist() == b.counts.tolist()
     assert sorted(a.token_index.tolist()) != sorted(b.token_index.tolist())
     for r in (a, b):
         for e, rows in enumerate(torch.split(r.token_index, r.counts.tolist())):
             assert all(e in r.top_experts[t].tolist() for t in rows.tolist())
-    ev = route(logits, 2, 6, options=o, training=False)
+    ev = route(logits, 2, 6, cfg=o, training=False)
     assert ev.token_index.tolist() == plain.token_index.tolist()
 
 
@@ -129,10 +129,10 @@ def test_options_name_their_flag(overrides, flag):
 def test_top1_weight_one(capacity):
     """k = 1 with top1_weight "one": the same choices and drops as Switch's, every kept row weighted 1."""
     logits = logits_for(5)
-    prob = route(logits, 1, capacity, options=opts(top_k=1))
-    one = route(logits, 1, capacity, options=opts(top_k=1, top1_weight="one"))
+    prob = route(logits, 1, capacity, cfg=opts(top_k=1))
+    one = route(logits, 1, capacity, cfg=opts(top_k=1, top1_weight="one"))
     assert one.token_index.tolist() == prob.token_index.tolist() and one.counts.tolist() == prob.counts.tolist()
     assert prob.weights.lt(1).all() and one.weights.eq(1).all()
     # At k >= 2 the weights are renormalised over the kept choices anyway: the option changes nothing.
-    two = [route(logits, 2, capacity, options=opts(top1_weight=w)) for w in ("prob", "one")]
+    two = [route(logits, 2, capacity, cfg=opts(top1_weight=w)) for w in ("prob", "one")]
     torch.testing.assert_close(two[0].weights, two[1].weights)

@@ -27,7 +27,7 @@ def test_policy_contract(name, k, capacity):
         capacity = 7  # MoEConfig gives expert choice a capacity always
     logits = logits_for(k).requires_grad_()
     options = MoEConfig(model_dim=4, ffn_dim=4, num_experts=E)
-    r = ROUTINGS[name](logits, k, capacity, options=options, token_ids=torch.arange(T) * 7)
+    r = ROUTINGS[name](logits, k, capacity, cfg=options, token_ids=torch.arange(T) * 7)
     N = r.token_index.numel()
     assert r.token_index.shape == r.weights.shape == (N,) and r.counts.shape == r.demand.shape == (E,)
     assert int(r.counts.sum()) == N and bool((r.token_index >= 0).all()) and bool((r.token_index < T).all())
@@ -43,7 +43,7 @@ def test_policy_contract(name, k, capacity):
     else:
         (r.weights * torch.arange(N, dtype=torch.float64)).sum().backward()
         assert logits.grad is not None and logits.grad.abs().sum() > 0  # the router learns through the weights
-    again = ROUTINGS[name](logits.detach(), k, capacity, options=options, token_ids=torch.arange(T) * 7)
+    again = ROUTINGS[name](logits.detach(), k, capacity, cfg=options, token_ids=torch.arange(T) * 7)
     assert torch.equal(again.token_index, r.token_index) and torch.equal(again.weights, r.weights.detach())
 
 

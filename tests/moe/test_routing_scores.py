@@ -54,7 +54,7 @@ def check(r, scores, chosen, k):
 @pytest.mark.parametrize("k", [1, 2])
 def test_sigmoid_scores(k):
     logits = logits_for(k)
-    r = route(logits, k, None, options=opts(score="sigmoid", top_k=k))
+    r = route(logits, k, None, cfg=opts(score="sigmoid", top_k=k))
     scores = torch.sigmoid(logits.float())
     check(r, scores, loop_choice(scores, k), k)
     torch.testing.assert_close(r.probs, scores / scores.sum(-1, keepdim=True))  # what the balance loss reads
@@ -64,7 +64,7 @@ def test_sigmoid_scores(k):
 def test_bias_chooses_but_does_not_weigh(score):
     logits = logits_for(3)
     bias = torch.tensor([0.0, 0.5, -0.3, 0.2, 0.0, 1.0])
-    r = route(logits, 2, None, options=opts(score=score, bias_update_rate=0.1), bias=bias)
+    r = route(logits, 2, None, cfg=opts(score=score, bias_update_rate=0.1), bias=bias)
     scores = torch.sigmoid(logits.float()) if score == "sigmoid" else torch.softmax(logits.float(), -1)
     check(r, scores, loop_choice(scores, 2, bias), 2)
     assert loop_choice(scores, 2, bias) != loop_choice(scores, 2)  # the bias changed some choices
@@ -75,7 +75,7 @@ def test_group_limited_top_k(groups, topk_groups, k):
     logits = logits_for(4 + groups)
     bias = torch.linspace(-0.2, 0.2, 6)
     o = opts(score="sigmoid", expert_groups=groups, topk_groups=topk_groups, top_k=k, bias_update_rate=0.1)
-    r = route(logits, k, None, options=o, bias=bias)
+    r = route(logits, k, None, cfg=o, bias=bias)
     scores = torch.sigmoid(logits.float())
     chosen = loop_choice(scores, k, bias, groups, topk_groups)
     check(r, scores, chosen, k)
@@ -96,7 +96,7 @@ def test_the_bias_balances_a_skewed_router():
         return layer(x)[1].imbalance
 
     start = imbalance()
-    layer._load = None
+    layer._demand = None
     for _ in range(300):
         layer(x)
         layer.update_routing_bias()
@@ -119,7 +119,7 @@ def test_bias_is_state_and_loads_from_a_checkpoint_without_it():
     assert not other.routing_bias.any()
     layer.eval()
     layer(torch.randn(5, 4))
-    assert layer._load is None  # only training forwards count toward the load
+    assert layer._demand is None  # only training forwards count toward the load
 
 
 @pytest.mark.parametrize("overrides, flag", [
@@ -145,7 +145,7 @@ def test_bias_stays_fp32_in_a_bf16_model():
     assert layer.routing_bias.dtype == torch.float32 and layer.gate.weight.dtype == torch.bfloat16
     with torch.no_grad():
         layer.routing_bias.fill_(0.5)
-    layer._load = torch.tensor([9.0, 0, 0, 0, 0, 3.0])  # mean 2: expert 0 and 5 over, the rest under
+    layer._demand = torch.tensor([9.0, 0, 0, 0, 0, 3.0])  # mean 2: expert 0 and 5 over, the rest under
     layer.update_routing_bias()
     torch.testing.assert_close(layer.routing_bias, torch.tensor([0.499, 0.501, 0.501, 0.501, 0.501, 0.499]))
     layer(torch.randn(5, 4, dtype=torch.bfloat16))  # and it still routes
