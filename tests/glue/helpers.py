@@ -163,6 +163,6 @@ def tail(log, n=3000):
     """The end of a process's output for an assertion message; where Python died on a fatal signal
     (PYTHONFAULTHANDLER, set in tests/conftest.py), the stacks faulthandler printed instead."""
     start = log.find("Fatal Python error")
-    if start >= 0:
-        return log[start:start + n]
+    if start >= 0:  # the stacks, then the end (what the other ranks and the launcher said)
+        return log[start:start + n // 2] + "\n[...]\n" + log[-n // 2:]
     return log[-n:]

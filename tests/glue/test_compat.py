@@ -36,3 +36,36 @@ def test_numpy_2_datasets():
     pairs = LanguagePairDataset(sentences, sizes, d, sentences, sizes, d, num_buckets=2)
     assert pairs.buckets is not None and len(pairs) == 3
     assert "compat" not in vars(np) or np.__version__ < "2"  # numpy itself is left as it was
+
+
+LEAVE = """
+import atexit, sys
+from fairseq_moe.compat import leave_together
+atexit.register(lambda: print("atexit ran", flush=True))
+def main(code):
+    print("trained", end="")  # (not flushed yet)
+    if code:
+        raise SystemExit(code)
+leave_together(main)(int(sys.argv[1]))
+print("after the run")
+"""
+
+
+@pytest.mark.parametrize("code", [0, 1, 2])
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_launched_rank_leaves_with_its_exit_code_and_output(code, launched):
+    """A launched rank leaves right after distributed_main (no interpreter teardown, where gloo ranks can
+    abort) with the run's exit code, its output flushed and its atexit handlers run; elsewhere the program
+    goes on (or exits) as without the plugin."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK")}
+    if launched:
+        env["FAIRSEQ_MOE_LAUNCH_RANK"] = "0"
+    out = subprocess.run([sys.executable, "-c", LEAVE, str(code)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert out.stdout.startswith("trained") and "atexit ran" in out.stdout, out.stdout
+    assert ("after the run" in out.stdout) == (not launched and code == 0), out.stdout
