@@ -19,7 +19,7 @@ class ExpertParallel:
 
     group: Optional[object]  # the EP group: its P ranks together hold all E experts
     size: int  # P
-    rank: int  # this rank's index in the EP group
+    ep_rank: int  # this rank's index in its EP group (not its global rank)
     num_local_experts: int  # E_l
     replicas: int  # W / P: how many ranks hold each expert
     replica_group: Optional[object]  # ranks holding the same experts as this one (None if 1)
@@ -30,7 +30,7 @@ class ExpertParallel:
 
     @property
     def first_expert(self):
-        return self.rank * self.num_local_experts
+        return self.ep_rank * self.num_local_experts
 
 
 def expert_parallel_size(num_experts, world_size):
@@ -51,6 +51,11 @@ def local_experts(num_experts, world_size, rank):
     return (rank % P) * (num_experts // P), num_experts // P
 
 
+def check_overlap_degree(overlap_degree):
+    if not isinstance(overlap_degree, int) or isinstance(overlap_degree, bool) or overlap_degree < 1:
+        raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")
+
+
 def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     """Split num_experts over the default process group, replicating when W > E.
 
@@ -62,8 +67,7 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     W, rank = dist.get_world_size(), dist.get_rank()
     P = expert_parallel_size(num_experts, W)
     replicas = W // P
-    if not isinstance(overlap_degree, int) or overlap_degree < 1:
-        raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")
+    check_overlap_degree(overlap_degree)
     # EP groups are blocks of P consecutive ranks; replica groups take one rank of each block.
     blocks = range(0, W, P)
     group = _my_group([list(range(b, b + P)) for b in blocks], rank)

@@ -15,7 +15,7 @@ from fractions import Fraction
 from fairseq_moe_kernels import backend as kernel_backends
 
 from .gates import GATES, NOISES
-from .options import annotation, check_setting, flag_of, setting, settings
+from .options import annotation, first_bad, flag_of, setting, settings
 from .routing import ROUTINGS
 
 ACTIVATIONS = ("relu", "gelu", "silu")
@@ -82,10 +82,9 @@ class LayerSettings:
     def validate(self):
         """Raise ValueError naming the flag for the first bad value; return self."""
         bad = self.refuse
-        for f in settings(self):
-            why = check_setting(self, f)
-            if why:
-                bad(f.name, why)
+        failed = first_bad(type(self), self)
+        if failed:
+            bad(failed[0].name, failed[1])
         policy = ROUTINGS[self.routing]
         if self.top_k > self.num_experts:
             raise ValueError(

@@ -145,8 +145,9 @@ class MoELayer(nn.Module):
         return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
 
     def _aux(self, logits, clean, r, T, k, cfg):
-        # A zero loss that still belongs to the graph (hash routing has no router: a plain zero).
-        zero = self.gate.weight.sum() * 0.0 if self.gate is not None else r.probs.new_zeros(())
+        # A zero loss that still belongs to the graph of every gate parameter (also for T = 0: the empty
+        # logits); without a learned router a plain zero.
+        zero = logits.sum() * 0.0 if logits is not None else r.probs.new_zeros(())
         if T == 0:  # nothing routed
             return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach())
         noisy = clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale

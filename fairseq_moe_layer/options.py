@@ -71,6 +71,16 @@ def check_setting(obj, f):
     return None if all(ok.values()) else what
 
 
+def first_bad(cls, obj):
+    """(field, reason) of the first setting of dataclass cls whose value in obj (an instance of cls, or a
+    config with the same names) fails its check, or None."""
+    for f in settings(cls):
+        why = check_setting(obj, f)
+        if why:
+            return f, why
+    return None
+
+
 def full_help(f):
     """A setting's help; for a choice among a registry whose entries have a help (the routing policies), with
     theirs, so that a new entry documents itself."""

@@ -404,7 +404,7 @@ class Soft(Policy):
             y = y.masked_fill(mask.unsqueeze(-1), 0.0)
         real = logits.reshape(G * n, E * P) if mask is None else logits[~mask]  # [T, E*P] of the real tokens
         T = real.shape[0]
-        zero = layer.gate.weight.sum() * 0.0
+        zero = logits.sum() * 0.0  # a zero that belongs to the graph (of every gate parameter)
         # demand: how much of the tokens' outputs each expert provides (the combine weights it gets).
         demand = (combine.reshape(G * n, E * P) if mask is None else combine[~mask]).sum(0).view(E, P).sum(1)
         aux = MoEAux(zero, router_z_loss(real) if T else zero, demand.detach(), counts, T, 1,

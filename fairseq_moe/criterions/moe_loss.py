@@ -3,11 +3,13 @@
 Shared by moe_cross_entropy and moe_label_smoothed_cross_entropy, which add it to their parent's loss.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from fairseq import metrics
 from fairseq.dataclass import ChoiceEnum
+
+from fairseq_moe_layer.options import first_bad, flag_of, setting
 
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
@@ -16,29 +18,32 @@ METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "mo
            "moe_load_loss")
 
 
+COMBINE, TRANSFORMS, LOSS_TYPES = ("average", "sum"), ("none", "neg_log"), ("balance", "importance_load")
+
+
 @dataclass
 class MoELossConfig:
-    moe_gate_loss_wt: float = field(default=0.01, metadata={"help": "weight of the balance loss (Switch: 0.01)"})
-    moe_gate_loss_combine_method: ChoiceEnum(["average", "sum"]) = field(
-        default="average", metadata={"help": "combine the balance losses of the MoE layers by average or sum"}
-    )
-    moe_gate_loss_transform: ChoiceEnum(["none", "neg_log"]) = field(
-        default="none", metadata={"help": "transform of the combined balance loss before weighting"}
-    )
-    moe_z_loss_wt: float = field(default=0.0, metadata={"help": "weight of the router z-loss (ST-MoE: 0.001)"})
-    moe_gate_loss_type: ChoiceEnum(["balance", "importance_load"]) = field(default="balance", metadata={
-        "help": "what --moe-gate-loss-wt weights: the GShard/Switch balance loss, or Shazeer et al.'s "
-                "CV(importance)^2 + CV(load)^2 (top-k routing with --moe-gate-noise gaussian)"})
-    moe_log_per_layer: bool = field(default=False, metadata={
-        "help": "also log each MoE layer's balance loss, dropped fraction, imbalance and entropy "
-                "(moe_encoder1_balance, moe_decoder3_dropped, ...)"})
+    """The MoE criterions' settings (options.setting, as the layer's: fairseq reads the help and the ChoiceEnum
+    type, check_moe_loss_config the choices and ranges)."""
+    moe_gate_loss_wt: float = setting(0.01, "weight of the balance loss (Switch: 0.01)", ge=0)
+    moe_gate_loss_combine_method: ChoiceEnum(COMBINE) = setting(
+        "average", "combine the balance losses of the MoE layers by average or sum", choices=COMBINE)
+    moe_gate_loss_transform: ChoiceEnum(TRANSFORMS) = setting(
+        "none", "transform of the combined balance loss before weighting", choices=TRANSFORMS)
+    moe_z_loss_wt: float = setting(0.0, "weight of the router z-loss (ST-MoE: 0.001)", ge=0)
+    moe_gate_loss_type: ChoiceEnum(LOSS_TYPES) = setting(
+        "balance", "what --moe-gate-loss-wt weights: the GShard/Switch balance loss, or Shazeer et al.'s "
+                   "CV(importance)^2 + CV(load)^2 (top-k routing with --moe-gate-noise gaussian)", choices=LOSS_TYPES)
+    moe_log_per_layer: bool = setting(
+        False, "also log each MoE layer's balance loss, dropped fraction, imbalance and entropy "
+               "(moe_encoder1_balance, moe_decoder3_dropped, ...)")
 
 
 def check_moe_loss_config(cfg):
-    for name in ("moe_gate_loss_wt", "moe_z_loss_wt"):
-        value = getattr(cfg, name)
-        if not math.isfinite(value) or value < 0:
-            raise FlagError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    failed = first_bad(MoELossConfig, cfg)
+    if failed:
+        f, why = failed
+        raise FlagError(f"{flag_of(f)} {why}, got {getattr(cfg, f.name)}")
 
 
 def add_moe_loss(cfg, model, loss, sample_size, logging_output):

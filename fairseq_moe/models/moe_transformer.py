@@ -23,7 +23,7 @@ from .. import refusals
 from ..errors import FlagError
 from fairseq_moe_layer import MoEConfig
 from fairseq_moe_layer.options import describe, flag_of, full_help, settings
-from fairseq_moe_layer.comm import expert_parallel
+from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
 logger = logging.getLogger(__name__)
@@ -209,8 +209,10 @@ def prepare_moe_build(args, sides):
         keep = "".join(f" (of which --{side}-layers-to-keep {getattr(args, f'{side}_layers_to_keep')})"
                        for side in sides if getattr(args, f"{side}_layers_to_keep", None))
         raise FlagError(f"--moe-freq {args.moe_freq} ({freqs}) puts no MoE layer in {layers} layers{keep}")
-    if args.moe_a2a_overlap_degree is None or args.moe_a2a_overlap_degree < 1:
-        raise FlagError(f"--moe-a2a-overlap-degree must be >= 1, got {args.moe_a2a_overlap_degree}")
+    try:  # (checked on one process too, where no expert_parallel is built)
+        check_overlap_degree(args.moe_a2a_overlap_degree)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
     frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
     if 0 < frac < k / args.moe_expert_count:

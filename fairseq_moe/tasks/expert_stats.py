@@ -6,17 +6,20 @@ assignments per expert]}, "tokens": {name: n}, "dropped": {name: fraction}, "ent
 Validation and generation use the eval capacity (--moe-eval-capacity-token-fraction) with no help from
 the task: MoE layers pick their capacity from model.training, which fairseq sets for them.
 """
+import argparse
 import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
+
+from fairseq_moe_layer.options import first_bad, flag_of, setting
 
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
@@ -26,9 +29,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ExpertStatsConfig(FairseqDataclass):
-    moe_stats_file: Optional[str] = field(default=None, metadata={
-        "help": "append per-layer expert load as JSON lines to this file"})
-    moe_stats_interval: int = field(default=100, metadata={"help": "updates between two lines of --moe-stats-file"})
+    """The MoE tasks' settings (options.setting, as the layer's and the criterion's)."""
+    moe_stats_file: Optional[str] = setting(None, "append per-layer expert load as JSON lines to this file",
+                                            type=str)
+    moe_stats_interval: int = setting(100, "updates between two lines of --moe-stats-file", ge=1)
 
 
 class ExpertLoadLog:
@@ -37,8 +41,10 @@ class ExpertLoadLog:
     (a collective: every rank calls maybe_write at every update) and rank 0 writes the line."""
 
     def __init__(self, path, interval):
-        if interval < 1:
-            raise FlagError(f"--moe-stats-interval must be >= 1, got {interval}")
+        given = argparse.Namespace(moe_stats_file=path, moe_stats_interval=interval)
+        failed = first_bad(ExpertStatsConfig, given)
+        if failed:
+            raise FlagError(f"{flag_of(failed[0])} {failed[1]}, got {getattr(given, failed[0].name)!r}")
         # Checked now: the first line is written only after --moe-stats-interval updates.
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):

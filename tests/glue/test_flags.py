@@ -115,7 +115,7 @@ def test_eval_bleu_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
     task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--eval-bleu", "--eval-bleu-detok", "space"))
     assert task.cfg.eval_bleu  # on one process it is fine
     Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
-    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
     monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
     cfg = convert_namespace_to_omegaconf(args)
     with pytest.raises(ValueError, match="--eval-bleu"):
@@ -161,7 +161,7 @@ def test_layerdrop_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
     from fairseq_moe_layer.comm import ExpertParallel
 
     task, model, _, args = build(train_argv(data_bin, tmp_path, "--encoder-layerdrop", "0.5"))
-    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
     monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
     with pytest.raises(ValueError, match="--encoder-layerdrop"):
         task.build_model(args)
@@ -186,7 +186,7 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     cfg = convert_namespace_to_omegaconf(args)
     flags = training_flags(cfg)
     assert (flags.optimizer, flags.fp16, flags.ddp_backend) == ("adafactor", False, args.ddp_backend)
-    spread = ExpertParallel(group=None, size=2, rank=0, num_local_experts=2, replicas=1, replica_group=None)
+    spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
     monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
     model = task.build_model(cfg.model)
     with pytest.raises(ValueError, match="--optimizer adafactor"):
@@ -236,3 +236,22 @@ def test_a_stats_file_that_cannot_be_written_later_is_one_warning(data_bin, tmp_
         log.maybe_write(update, model)
     warnings = [r.getMessage() for r in caplog.records if "--moe-stats-file" in r.getMessage()]
     assert len(warnings) == 1 and f"cannot append to --moe-stats-file {path}" in warnings[0], warnings
+
+
+def test_every_flag_of_the_models_is_in_the_readme_and_reaches_the_layer():
+    """Every flag add_moe_args makes is documented in the README, and every layer flag sets its MoEConfig
+    field (a setting with no flag, or a flag read by nothing, fails here)."""
+    import argparse
+    from pathlib import Path
+
+    from fairseq_moe.models.moe_transformer import LAYER_FLAGS, add_moe_args
+    from fairseq_moe_layer.options import settings
+    from fairseq_moe_layer import MoEConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_moe_args(parser)
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    assert [flag for flag in flags if f"`{flag}" not in readme] == []
+    cli = {f.name for f in settings(MoEConfig) if f.metadata["cli"]}
+    assert set(LAYER_FLAGS.values()) == cli and set(LAYER_FLAGS) <= {a.dest for a in parser._actions}

@@ -1,4 +1,7 @@
-"""The plugin registers its model, architectures, criterions and task with fairseq."""
+"""The plugin registers its model, architectures, criterions and task with fairseq; a routing policy and a
+gate registered by a test get their flags, checks and tests from the registries."""
+import pytest
+import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.tasks import TASK_REGISTRY
@@ -35,3 +38,41 @@ def test_gpu_lm_archs_have_the_dense_sizes():
         ARCH_CONFIG_REGISTRY[f"moe_{arch}"](moe)
         assert {k: v for k, v in vars(moe).items() if k in vars(dense)} == vars(dense), arch
         assert moe.moe_expert_count == 8 and moe.moe_freq == 2, arch
+
+
+@pytest.mark.slow
+def test_a_new_policy_and_gate_get_everything_from_the_registries():
+    """A routing policy and a gate registered by a test (tests/moe/throwaway.py), with no other edit: their
+    --moe-routing/--moe-gate choice and help, the README table's line, the generic checks and refusals from the
+    policy's properties, the contract tests and the 2-rank check of every policy and gate."""
+    import argparse
+
+    from fairseq_moe import refusals
+    from fairseq_moe.errors import FlagError
+    from fairseq_moe.models.moe_transformer import add_moe_args
+    from fairseq_moe_layer import MoEConfig
+    from fairseq_moe_layer.options import flag_table
+
+    from ..moe import test_comm, test_gates, test_routing_policies, throwaway
+
+    with throwaway.registered():
+        parser = argparse.ArgumentParser()
+        add_moe_args(parser)
+        args = parser.parse_args(["--moe-routing", throwaway.POLICY, "--moe-gate", throwaway.GATE])
+        assert (args.moe_routing, args.moe_gate) == (throwaway.POLICY, throwaway.GATE)
+        assert throwaway.BestExpert.help in " ".join(parser.format_help().split())
+        assert throwaway.BestExpert.help in flag_table(MoEConfig)
+        with pytest.raises(ValueError, match="--moe-top-k"):  # only_top_k = 1
+            MoEConfig(model_dim=4, ffn_dim=4, num_experts=4, top_k=2, routing=throwaway.POLICY).validate()
+        criterion = argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_transform="neg_log"))
+        with pytest.raises(FlagError, match=throwaway.POLICY):  # no balance loss: neg_log refused, by name
+            refusals.check("trainer", refusals.Context(flags=argparse.Namespace(), criterion=criterion,
+                                                       model=refusals._model_routed_by(throwaway.POLICY)))
+        for k, capacity in [(1, 5), (1, None)]:
+            test_routing_policies.test_policy_contract(throwaway.POLICY, k, capacity)
+        for shape in [(0, 8), (2, 0, 8)]:
+            test_routing_policies.test_every_policy_takes_zero_tokens(throwaway.POLICY, shape)
+        for dtype in (torch.float32, torch.bfloat16):
+            test_gates.test_gate_contract(throwaway.GATE, dtype, True)
+        test_gates.test_gate_inside_layer(throwaway.GATE)
+    test_comm.spawn(throwaway.check_on_ranks, 2)

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from fairseq_moe_layer import MoEConfig, MoELayer
 from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
+from fairseq_moe_layer.gates import GATES
 from fairseq_moe_layer.routing import ROUTINGS
 
 
@@ -70,12 +71,13 @@ def _check_all_to_all(rank, W, local_size):
 
 
 def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch",
-                 routing="topk", normalization="world_size", shared_experts=0):
+                 routing="topk", normalization="world_size", shared_experts=0, gate="linear"):
     """The layer with its experts spread over the ranks equals the 1-rank layer (torch kernels, fp64;
     with kernel_backend="triton" the spread layer runs the Triton kernels, fp32 in the interpreter)."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
                     eval_capacity_token_fraction=-1, routing=routing, expert_grad_normalization=normalization,
-                    shared_experts=shared_experts)
+                    shared_experts=shared_experts, gate=gate)
+    policy = ROUTINGS[routing]
     dtype, tol = (torch.float64, 1e-12) if kernel_backend == "torch" else (torch.float32, 1e-5)
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)  # all E experts, the same weights on every rank
@@ -86,7 +88,8 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     # The per-expert seeding gives each rank the slice of the 1-rank init, with no copying.
     for name in ("w1", "b1", "w2", "b2"):
         assert torch.equal(getattr(spread.experts, name), getattr(full.experts, name)[lo:hi]), name
-    assert routing == "hash" or torch.equal(spread.gate.weight, full.gate.weight)
+    gates = [] if full.gate is None else list(zip(full.gate.parameters(), spread.gate.parameters()))
+    assert all(torch.equal(p2, p1) for p1, p2 in gates)
 
     calls = []
     if kernel_backend == "triton":  # count the Triton grouped MLP's calls (the overlapped chunks use it)
@@ -98,10 +101,10 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     g = torch.Generator().manual_seed(100 + rank)
     T = [0, 7, 13, 4][rank % 4] if capacity_factor else [5, 0, 9, 11][rank % 4]  # a rank with no tokens
     x = torch.randn(T, 6, generator=g, dtype=torch.float64).to(dtype)
-    if routing == "soft":  # groups of tokens: [G, n, d] (a rank with no group)
+    if policy.slots:  # groups of tokens: [G, n, d] (a rank with no group)
         x = x[:T - T % 3].view(-1, 3, 6)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    ids = torch.randint(0, 50, (T,), generator=g) if routing == "hash" else None
+    ids = torch.randint(0, 50, (T,), generator=g) if policy.needs_token_ids else None
     y1, aux1 = full(x1, token_ids=ids)
     y2, aux2 = spread(x2, token_ids=ids)
     torch.testing.assert_close(y2, y1, rtol=tol, atol=tol)
@@ -109,8 +112,8 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     ((y1 * y1).sum() + aux1.balance_loss).backward()
     ((y2 * y2).sum() + aux2.balance_loss).backward()
     torch.testing.assert_close(x2.grad, x1.grad, rtol=tol, atol=tol)
-    if routing != "hash":  # (no router)
-        torch.testing.assert_close(spread.gate.weight.grad, full.gate.weight.grad, rtol=tol, atol=tol)
+    for p1, p2 in gates:  # (none without a learned router)
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=tol, atol=tol)
     if shared_experts:  # replicated like the gate: this rank's tokens only (data parallelism averages them)
         for p1, p2 in zip(full.shared.parameters(), spread.shared.parameters()):
             torch.testing.assert_close(p2.grad, p1.grad, rtol=tol, atol=tol)
@@ -160,11 +163,12 @@ def _run_all(rank, W, checks):
         fn(rank, W, *args)
 
 
-def _every_policy():
-    """_check_layer of every policy in ROUTINGS: top-2, or top-1 where the policy takes no other (hash); at
-    capacity with all-to-alls overlapped in 2 chunks, and dropless, where the policy has a dropless form."""
+def _every_policy(names=None):
+    """_check_layer of every policy in ROUTINGS (or of those named): top-2, or top-1 where the policy takes no
+    other; at capacity with all-to-alls overlapped in 2 chunks, and dropless, where the policy has a dropless
+    form."""
     checks = []
-    for name in sorted(ROUTINGS):
+    for name in sorted(ROUTINGS if names is None else names):
         def valid(**kw):
             try:
                 MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, routing=name, **kw).validate()
@@ -179,6 +183,12 @@ def _every_policy():
     return checks
 
 
+def _every_gate(names=None):
+    """_check_layer of every gate in GATES (or of those named), with top-2 routing at capacity."""
+    return [(_check_layer, (4, 2, 1.0, None, 1, "torch", "topk", "world_size", 0, name))
+            for name in sorted(GATES if names is None else names)]
+
+
 # One spawn per world size runs all its checks: a process start-up costs seconds here.
 CHECKS = {
     2: [
@@ -189,6 +199,7 @@ CHECKS = {
         (_check_layer, (4, 2, 1.0, None, 1, "triton")),  # Triton kernels (interpreter) across ranks
         (_check_layer, (4, 2, 0.0, None, 2, "triton")),  # ... and in the overlapped chunks
         *_every_policy(),  # every registered routing policy, at capacity and dropless
+        *_every_gate(),  # every registered gate
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
     ],

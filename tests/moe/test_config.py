@@ -71,3 +71,31 @@ def test_good_values_pass(overrides):
     cfg = MoEConfig(**{**GOOD, **overrides})
     assert cfg.validate() is cfg
     assert cfg.to_dict() == {**MoEConfig(**GOOD).to_dict(), **overrides}
+
+
+def test_the_readme_flag_table_is_the_one_the_settings_make():
+    """The README's table of the layer's flags is what options.flag_table makes from the settings (a new
+    setting or policy shows up there, or this fails with the table to paste)."""
+    from pathlib import Path
+
+    from fairseq_moe_layer.options import flag_table
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("\n", readme.index("<!-- layer flags: made by")) + 1
+    assert readme[start:readme.index("<!-- end of the layer flags -->")] == flag_table(MoEConfig), \
+        "regenerate the README's table with: python -m fairseq_moe_layer.options"
+
+
+def test_every_setting_has_a_flag_help_and_a_check():
+    """A field of MoEConfig is a setting (options.setting): it has its flag, its help, and a value of the
+    wrong kind is refused naming that flag."""
+    from dataclasses import fields
+
+    from fairseq_moe_layer.options import flag_of, settings
+
+    assert [f.name for f in settings(MoEConfig)] == [f.name for f in fields(MoEConfig)]
+    for f in fields(MoEConfig):
+        assert f.metadata["help"] and flag_of(f).startswith("--"), f.name
+        wrong = object()  # of no type a setting takes
+        with pytest.raises(ValueError, match=re.escape(flag_of(f))):
+            MoEConfig(**{**GOOD, f.name: wrong}).validate()

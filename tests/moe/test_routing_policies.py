@@ -20,11 +20,12 @@ def logits_for(seed, T=T, E=E):
     return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
 
 
-@pytest.mark.parametrize("name", sorted(n for n in ROUTINGS if not getattr(ROUTINGS[n], "slots", False)))
+@pytest.mark.parametrize("name", sorted(n for n in ROUTINGS if not ROUTINGS[n].slots))
 @pytest.mark.parametrize("k, capacity", [(1, 5), (2, 4), (2, None)])
 def test_policy_contract(name, k, capacity):
-    if name == "expert_choice" and capacity is None:
-        capacity = 7  # MoEConfig gives expert choice a capacity always
+    policy = ROUTINGS[name]
+    if not policy.dropless and capacity is None:
+        capacity = 7  # MoEConfig gives a policy without a dropless form a capacity always
     logits = logits_for(k).requires_grad_()
     options = MoEConfig(model_dim=4, ffn_dim=4, num_experts=E)
     r = ROUTINGS[name](logits, k, capacity, cfg=options, token_ids=torch.arange(T) * 7)
@@ -38,7 +39,7 @@ def test_policy_contract(name, k, capacity):
     for rows in torch.split(r.token_index, r.counts.tolist()):
         assert rows.unique().numel() == rows.numel()
     assert 0.0 <= float(r.dropped) <= 1.0
-    if name == "hash":  # no router: nothing to learn
+    if not policy.learned_router:  # no router: nothing to learn
         assert not r.weights.requires_grad
     else:
         (r.weights * torch.arange(N, dtype=torch.float64)).sum().backward()
@@ -271,13 +272,13 @@ def test_soft_moe_matches_plain_loop(slots, padded):
 def test_every_policy_takes_zero_tokens(name, shape):
     """A rank whose batch has no token (or only padding) still runs the layer: an empty output, losses that
     are zero and differentiable, as with tokens."""
-    soft = getattr(ROUTINGS[name], "slots", False)
+    soft = ROUTINGS[name].slots
     cfg = MoEConfig(model_dim=8, ffn_dim=8, num_experts=E, routing=name, shared_experts=1,
-                    top_k=1 if name == "hash" else 2, gate="scaled_cosine" if soft else "linear",
+                    top_k=ROUTINGS[name].only_top_k or 2, gate="scaled_cosine" if soft else "linear",
                     capacity_factor=1.0)
     layer = MoELayer(cfg)
     x = torch.zeros(*shape, requires_grad=True)
-    kwargs = {"token_ids": torch.zeros(shape[:-1], dtype=torch.long)} if name == "hash" else {}
+    kwargs = {"token_ids": torch.zeros(shape[:-1], dtype=torch.long)} if ROUTINGS[name].needs_token_ids else {}
     y, aux = layer(x, padding_mask=torch.zeros(shape[:-1], dtype=torch.bool), **kwargs)
     assert y.shape == shape and aux.num_tokens == 0
     (y.sum() + aux.balance_loss + aux.z_loss).backward()
