@@ -16,7 +16,7 @@ from fairseq_moe_kernels import backend as kernel_backends
 
 from .gates import GATES, NOISES
 from .options import annotation, first_bad, flag_of, setting, settings
-from .routing import ROUTINGS
+from .routing import ROUTINGS, TopK
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -57,7 +57,7 @@ class LayerSettings:
     kernel_backend: str = setting(
         "auto", "the layer's kernels: PyTorch ops, or the fused Triton kernels; auto = triton on CUDA, torch "
                 "elsewhere; triton where it cannot run is an error at start-up", choices=kernel_backends.BACKENDS)
-    routing: str = setting("topk", "who goes where", choices=ROUTINGS)
+    routing: str = setting(TopK.name, "who goes where", choices=ROUTINGS)
     gate_noise: str = setting(
         "none", "training-only router noise: jitter multiplies the gate's input by U(1-S, 1+S) (Switch, "
                 "DeepSpeed), gaussian adds N(0, S^2) to the logits (Tutel)", choices=NOISES)

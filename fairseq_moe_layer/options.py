@@ -6,6 +6,7 @@ tests/moe/test_config.py compares). The MoE criterion's and task's settings are 
 the same setting() (fairseq reads their "help"; check_setting their range).
 """
 import math
+import operator
 from dataclasses import MISSING, field, fields
 from typing import Optional
 
@@ -57,18 +58,16 @@ def check_setting(obj, f):
         return None if isinstance(value, bool) else "must be true or false"
     if m["type"] is str:
         return None if isinstance(value, str) else "must be a string"
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    bounds = [(op, bound) for op, bound in (("ge", m["ge"]), ("gt", m["gt"]), ("le", m["le"]), ("lt", m["lt"]))
-              if bound is not None]
-    words = " and ".join(f"{dict(ge='>=', gt='>', le='<=', lt='<')[op]} {bound}" for op, bound in bounds)
-    what = ("an integer" if m["integer"] else "a number") + (f" {words}" if words else "")
-    what = f"must be {what}{' ' + m['note'] if m['note'] else ''}"
-    if not number or (m["integer"] and not isinstance(value, int)) or not math.isfinite(value):
-        return what
-    ok = {"ge": value >= m["ge"] if m["ge"] is not None else True, "gt": value > m["gt"] if m["gt"] is not None
-          else True, "le": value <= m["le"] if m["le"] is not None else True,
-          "lt": value < m["lt"] if m["lt"] is not None else True}
-    return None if all(ok.values()) else what
+    bounds = [(symbol, test, m[op]) for op, (symbol, test) in _BOUNDS.items() if m[op] is not None]
+    what = " and ".join(f"{symbol} {bound}" for symbol, _, bound in bounds)
+    what = f"must be {'an integer' if m['integer'] else 'a number'}{' ' + what if what else ''}" + \
+        (f" {m['note']}" if m["note"] else "")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        isinstance(value, int) or not m["integer"])
+    return None if number and all(test(value, bound) for _, test, bound in bounds) else what
+
+
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
 def first_bad(cls, obj):
