@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .lockstep import Lockstep
+
 
 @dataclass
 class ExpertParallel:
@@ -27,6 +29,11 @@ class ExpertParallel:
     node_group: Optional[object] = None  # hierarchical a2a: same local index on every node
     local_size: int = 1  # L: ranks per node in the EP group (1 = flat all-to-all)
     overlap_degree: int = 1  # chunks whose all-to-alls overlap expert compute (pipeline.py)
+    lockstep: Optional[Lockstep] = None  # keeps the group's layer calls matched in inference (lockstep.py)
+
+    def __post_init__(self):
+        if self.lockstep is None:
+            self.lockstep = Lockstep(self.group)
 
     @property
     def first_expert(self):

@@ -53,6 +53,7 @@ class MoELayer(nn.Module):
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
         self.register_load_state_dict_pre_hook(_bias_as_configured)
         if ep is not None:
+            self._lockstep_index = ep.lockstep.add(self)
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
 
@@ -64,6 +65,8 @@ class MoELayer(nn.Module):
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
         cfg, policy = self.cfg, self.policy
+        if self.ep is not None:  # (in inference, lockstep.py: until every rank of the group calls this layer)
+            self.ep.lockstep.before(self._lockstep_index)
         if policy.slots:
             if top_k is not None or capacity_factor is not None:
                 raise ValueError(f"--moe-routing {cfg.routing} has no top-k and no capacity to set for a call")

@@ -1,0 +1,80 @@
+"""Lockstep: the MoE layers of ranks whose forwards differ still meet in every all-to-all.
+
+Every call of an MoE layer with spread experts is a collective of its expert-parallel group. In training
+every rank makes the same calls; in inference it does not: beam searches stop after different numbers of
+steps, and the ranks' shards hold different numbers of batches. While a Lockstep is on, before each call the
+ranks of the group agree (one all-reduce, MIN) on the lowest layer any of them wants next, layers being
+numbered in the order they were built (the same on every rank). All run that layer: those that want it with
+their tokens, the others with none (an empty call, which still serves the rows sent to their experts). Then
+they agree again, until this rank's own layer is the lowest. A rank whose work is done calls drain(): it
+serves empty calls until every rank of the group is done. Within one forward the layers come in increasing
+order, so every rank's wanted layer is reached: no rank waits forever.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+DONE = 2 ** 62  # what a rank that has finished wants
+
+
+class Lockstep:
+    def __init__(self, group):
+        self.group = group
+        self.layers = []  # the MoE layers of this group, in the order they were built
+        self.on = False
+        self._serving = False
+
+    def add(self, layer):
+        """Register a layer; its number."""
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def before(self, index):
+        """Called by layer `index` before its all-to-alls: returns once every rank of the group runs it."""
+        if not self.on or self._serving:
+            return
+        while (lowest := self._lowest(index)) != index:
+            self._serve(lowest)
+
+    def drain(self):
+        """This rank is done: serve the others' layers until every rank of the group is done too."""
+        if not self.on:
+            return
+        while (lowest := self._lowest(DONE)) != DONE:
+            self._serve(lowest)
+
+    def _lowest(self, want):
+        layer = self.layers[0]
+        t = torch.tensor([want], dtype=torch.long, device=next(layer.experts.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def _serve(self, index):
+        layer = self.layers[index]
+        p = next(layer.experts.parameters())
+        self._serving = True
+        try:
+            with torch.no_grad():
+                x = p.new_zeros(0, layer.cfg.model_dim)  # [0, d]: no token of this rank
+                ids = torch.zeros(0, dtype=torch.long, device=p.device) if layer.policy.needs_token_ids else None
+                layer(x, token_ids=ids)
+        finally:
+            self._serving = False
+
+
+@contextlib.contextmanager
+def lockstep(model):
+    """While inside: the MoE layers of model with spread experts keep the ranks in lockstep (see above); on
+    leaving (also on an error, so that the other ranks are not left waiting) this rank drains."""
+    from .layer import MoELayer
+
+    steps = {id(m.ep.lockstep): m.ep.lockstep for m in model.modules() if isinstance(m, MoELayer) and m.ep}
+    for step in steps.values():
+        step.on = True
+    try:
+        yield
+    finally:
+        for step in steps.values():
+            step.drain()
+            step.on = False
