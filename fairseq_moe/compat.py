@@ -111,36 +111,50 @@ def leave_together(distributed_main):
     """fairseq's distributed_main ends with a barrier and leaves its process groups, and then the whole process,
     to the interpreter's exit, where a gloo rank can abort (std::terminate, exit code 250, a main thread with no
     Python frame: seen in about one multi-rank run in twenty under load, also with the groups destroyed). So,
-    after the barrier, the groups are destroyed here, on every rank, and a launched rank (torchrun,
-    fairseq_moe.launch, a spawned process) that ended normally or with an exit code (cli.one_line_errors) then
-    leaves at once: its output flushed and its atexit handlers run (fairseq's tensorboard writers, logging),
-    every file it wrote already closed (a save is fsynced: commit.py), without the interpreter's teardown. A
-    program that calls fairseq's main itself under torchrun ends there too; one process never gets here."""
+    after the barrier, the groups are destroyed here, on every rank, and a launched rank (one_rank_of_a_job)
+    then leaves at once with the run's exit code (0, the code of cli.one_line_errors' SystemExit, 1 after
+    printing the traceback of any other exception, 130 on Ctrl-C): its output flushed and its atexit handlers
+    run (fairseq's tensorboard writers, logging), every file it wrote already closed (a save is fsynced:
+    commit.py), without the interpreter's teardown. One process never gets here."""
     def wrapped(*args, **kwargs):
+        leave = one_rank_of_a_job()
+        code = 0
         try:
             distributed_main(*args, **kwargs)
-            code = 0
         except SystemExit as e:
-            code = e.code
-            if not _launched():
+            if not leave:
                 raise
+            code = e.code
+        except BaseException as e:
+            if not leave:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
         finally:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-        if _launched():
-            _leave_now(code)
+        if leave:
+            leave_now(code)
 
     return wrapped
 
 
-def _launched():
-    import multiprocessing
+def one_rank_of_a_job():
+    """This process is one rank of a job that a launcher started (torchrun, fairseq_moe.launch, srun with
+    several tasks), and nothing of the program's own runs after fairseq's main (not under fairseq-hydra-train,
+    whose sweeps and callbacks do)."""
+    import sys
 
-    return bool({"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(os.environ)) or \
-        multiprocessing.parent_process() is not None
+    if "fairseq_cli.hydra_train" in sys.modules:
+        return False
+    env = os.environ
+    return bool({"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(env)) or (
+        "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
 
 
-def _leave_now(code):
+def leave_now(code):
     """sys.exit(code) without the interpreter's teardown."""
     import atexit
     import sys

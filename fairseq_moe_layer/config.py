@@ -16,7 +16,7 @@ from fairseq_moe_kernels import backend as kernel_backends
 
 from .gates import GATES, NOISES
 from .options import annotation, first_bad, flag_of, setting, settings
-from .routing import ROUTINGS, TopK
+from .routing import _SEALED, ROUTINGS, TopK
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 
@@ -127,9 +127,12 @@ class LayerSettings:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-MoEConfig = dataclasses.make_dataclass(
-    "MoEConfig", [(name, annotation(f), f) for policy in ROUTINGS.values() for name, f in policy.options.items()],
-    bases=(LayerSettings,))
+_OPTIONS = [(name, annotation(f), f) for policy in ROUTINGS.values() for name, f in policy.options.items()]
+_TAKEN = [name for name, _, _ in _OPTIONS] + [f.name for f in fields(LayerSettings)]
+if len(set(_TAKEN)) != len(_TAKEN):
+    raise ValueError(f"two settings of the same name among the layer's and the policies' options: {sorted(_TAKEN)}")
+MoEConfig = dataclasses.make_dataclass("MoEConfig", _OPTIONS, bases=(LayerSettings,))
+_SEALED.append(True)
 MoEConfig.__module__ = __name__  # (pickle and repr find it here)
 MoEConfig.__doc__ = """Settings of one MoE layer: LayerSettings' and every routing policy's options (see each
 field's metadata for its flag)."""

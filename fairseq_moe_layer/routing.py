@@ -94,11 +94,16 @@ class Policy:
 
 ROUTINGS = {}  # name -> Policy instance
 _register = registrar(ROUTINGS)
+_SEALED = []  # not empty once MoEConfig is made (config.py): later policies can add no options
 
 
 def register_routing(name):
-    """@register_routing("name") on a Policy subclass: ROUTINGS[name] is an instance of it."""
+    """@register_routing("name") on a Policy subclass: ROUTINGS[name] is an instance of it. A policy with
+    options must be registered before MoEConfig is made (in this module), since they become its fields."""
     def wrap(cls):
+        if cls.options and _SEALED:
+            raise ValueError(f"routing policy {name!r} declares options ({', '.join(cls.options)}), but MoEConfig "
+                             f"was made already: register it in fairseq_moe_layer/routing.py")
         cls.name = name
         _register(name)(cls())
         return cls
@@ -373,6 +378,9 @@ class Soft(Policy):
 
     def router_outputs(self, cfg):
         return cfg.num_experts * cfg.soft_slots  # one logit per slot
+
+    def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
+        raise ValueError(f"--moe-routing {self.name} mixes tokens into slots (its forward): it routes no token")
 
     def forward(self, layer, x, padding_mask=None):
         """MoELayer.forward for this policy: (y [G, n, d] or [n, d], MoEAux)."""

@@ -44,6 +44,8 @@ from fairseq_moe.compat import leave_together
 atexit.register(lambda: print("atexit ran", flush=True))
 def main(code):
     print("trained", end="")  # (not flushed yet)
+    if code == 3:
+        raise RuntimeError("a bug")
     if code:
         raise SystemExit(code)
 leave_together(main)(int(sys.argv[1]))
@@ -51,21 +53,23 @@ print("after the run")
 """
 
 
-@pytest.mark.parametrize("code", [0, 1, 2])
+@pytest.mark.parametrize("code", [0, 1, 2, 3])
 @pytest.mark.parametrize("launched", [True, False])
 def test_a_launched_rank_leaves_with_its_exit_code_and_output(code, launched):
     """A launched rank leaves right after distributed_main (no interpreter teardown, where gloo ranks can
-    abort) with the run's exit code, its output flushed and its atexit handlers run; elsewhere the program
-    goes on (or exits) as without the plugin."""
+    abort) with the run's exit code (1 and the traceback for an exception, here code 3), its output flushed
+    and its atexit handlers run; elsewhere the program goes on (or exits) as without the plugin."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK",
+                                                             "SLURM_PROCID")}
     if launched:
         env["FAIRSEQ_MOE_LAUNCH_RANK"] = "0"
     out = subprocess.run([sys.executable, "-c", LEAVE, str(code)], capture_output=True, text=True, env=env,
                          timeout=120)
-    assert out.returncode == code, out.stderr[-2000:]
+    assert out.returncode == (1 if code == 3 else code), out.stderr[-2000:]
     assert out.stdout.startswith("trained") and "atexit ran" in out.stdout, out.stdout
+    assert ("RuntimeError: a bug" in out.stderr) == (code == 3), out.stderr[-2000:]
     assert ("after the run" in out.stdout) == (not launched and code == 0), out.stdout
