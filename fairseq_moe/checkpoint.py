@@ -13,6 +13,7 @@ import functools
 import importlib
 import logging
 import os
+import re
 import shutil
 import time
 import weakref
@@ -21,10 +22,13 @@ from itertools import chain
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from fairseq_moe_layer.comm import local_experts
 
 from . import expert_checkpoint as shards
 from . import commit, patches, refusals, safe_eval
-from .errors import CheckpointError, MissingCheckpointError, SaveError
+from .errors import CheckpointError, FlagError, MissingCheckpointError, SaveError
 from .fits import check_expert_layout, check_fits
 
 SAFE_GLOBALS = [argparse.Namespace]
@@ -102,8 +106,9 @@ def load_checkpoint_file(path, arg_overrides=None):
 
 def load_found(found, arg_overrides=None, want=None, experts=None):
     """The state of what shards.resolve() found: a single file, or a set assembled (want: the expert
-    ranges to read, else all). experts: the model's {name: E}, checked against the saved layout.
-    A set's shared file goes through fairseq's loader (overrides, upgrades), then the experts go in."""
+    ranges to read, else all; or a function of the saved {name: E} that gives them). experts: the model's
+    {name: E}, checked against the saved layout. A set's shared file goes through fairseq's loader
+    (overrides, upgrades), then the experts go in."""
     kind, target, _ = found
     path = target if kind == "file" else shards.shared_path(target)
     if kind == "set" and not os.path.exists(path):
@@ -111,6 +116,8 @@ def load_found(found, arg_overrides=None, want=None, experts=None):
     state = load_checkpoint_file(path, arg_overrides)
     with shards.laid_out(path):
         check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
+    if callable(want):
+        want = want(shards.manifest_of(state).get("experts") or {})
     return state if kind == "file" else shards.assemble(target, want=want, shared=state)
 
 
@@ -323,6 +330,9 @@ def _all_gather(obj, group):
     return out
 
 
+EXPERT_TENSOR = re.compile(r"\.moe\.experts\.(w1|b1|w2|b2)$")  # the routed experts' tensors [E, ...] of a model
+
+
 def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     """fairseq's loader, safe, for a single file or a set (fairseq-generate, -interactive, -eval-lm,
     the hub, --finetune-from-model)."""
@@ -331,7 +341,25 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         raise MissingCheckpointError(f"{path}: no such checkpoint (nor the set {shards.set_base(path)}-shared.pt "
                                      f"+ rank files)")
     logger.info("%s: loading %s", path, shards.describe(found))
-    return load_found(found, arg_overrides)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return load_found(found, arg_overrides)
+    # Several ranks (spread.py): the model is built with its experts spread; this rank reads its own (a set's
+    # rank files are memory-mapped: only these rows are read), whatever the world size that saved them.
+    W, rank = dist.get_world_size(), dist.get_rank()
+
+    def local(E):
+        try:
+            return local_experts(E, W, rank)
+        except ValueError as e:  # E and W do not fit: names both
+            raise FlagError(str(e)) from None
+
+    state = load_found(found, arg_overrides, want=lambda experts: {
+        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]})
+    if found[0] == "set":
+        return state
+    full = {n: t.shape[0] for n, t in state["model"].items() if EXPERT_TENSOR.search(n)}  # a file: every expert
+    with shards.laid_out(path):
+        return shards.cut_for_rank(state, {n: (*local(E), E) for n, E in full.items()})
 
 
 def models_by_set_name(load):

@@ -95,6 +95,15 @@ PATCHES = (
       for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
     # No checkpoint string reaches eval() (safe_eval.py)
     *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in EVAL_MODULES),
+    # Inference with the experts spread over the ranks of a launched job (spread.py)
+    Patch("fairseq_cli.generate", "_main", "fairseq_moe.spread:spread_generate",
+          "under torchrun or fairseq_moe.launch, fairseq-generate runs W independent processes, each with every "
+          "expert: here one job, the experts spread, the test set cut in W shards, the output and BLEU of all",
+          wraps=True),
+    Patch("fairseq.scoring", "build_scorer", "fairseq_moe.spread:GatheringScorer",
+          "on W ranks the score is computed over the sentences of every rank", scoped=True),
+    Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.spread:stopwatch",
+          "generate divides by the time it spent translating: 0 on a rank whose shard is empty", scoped=True),
     # Bad input is one line (cli.py)
     *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),

@@ -47,8 +47,9 @@ def expert_parallel_size(num_experts, world_size):
     if world_size % num_experts == 0:
         return num_experts
     raise ValueError(
-        f"--moe-expert-count {num_experts} and --distributed-world-size {world_size}: one must be a "
-        f"multiple of the other (E/W experts per rank, or W/E replicas of each expert)"
+        f"--moe-expert-count {num_experts} and --distributed-world-size {world_size} (the job's ranks: torchrun's "
+        f"--nproc-per-node x nodes, fairseq_moe.launch's --nproc): one must be a multiple of the other (E/W "
+        f"experts per rank, or W/E replicas of each expert)"
     )
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 DONE = 2 ** 62  # what a rank that has finished wants
+_MADE = []  # inside inference(): the Locksteps made there (on from the start)
 
 
 class Lockstep:
@@ -24,6 +25,9 @@ class Lockstep:
         self.layers = []  # the MoE layers of this group, in the order they were built
         self.on = False
         self._serving = False
+        if _MADE:
+            _MADE[-1].append(self)
+            self.on = True
 
     def add(self, layer):
         """Register a layer; its number."""
@@ -78,3 +82,25 @@ def lockstep(model):
         for step in steps.values():
             step.drain()
             step.on = False
+
+
+@contextlib.contextmanager
+def inference():
+    """While inside, every Lockstep made there (with the model that a tool loads) is on; yields their list; on
+    leaving each drains (drain_all) and is off."""
+    made = []
+    _MADE.append(made)
+    try:
+        yield made
+    finally:
+        _MADE.pop()
+        try:
+            drain_all(made)
+        finally:
+            for step in made:
+                step.on = False
+
+
+def drain_all(steps):
+    for step in steps:
+        step.drain()

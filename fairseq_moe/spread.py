@@ -1,0 +1,174 @@
+"""fairseq-generate with the experts spread over the ranks of a launched job:
+
+    torchrun --nproc-per-node W $(which fairseq-generate) DATA --user-dir fairseq_moe --path CKPT.pt ...
+    python -m fairseq_moe.launch --nproc W -- fairseq-generate DATA --user-dir fairseq_moe --path CKPT.pt ...
+
+fairseq's generate runs one independent process per rank. Here (patches.py: fairseq_cli.generate._main), when
+the job has several ranks: the process group is made (gloo on CPU, nccl on CUDA); the model is built with its
+experts spread (models/moe_transformer.build_expert_parallel) and each rank reads the shared file and its own
+experts only (checkpoint.load_checkpoint_to_cpu; a set of another world size is cut on load); the test set is
+cut into W shards, as fairseq cuts it for data parallelism; the MoE layers keep the ranks in lockstep
+(fairseq_moe_layer/lockstep.py) while their beam searches take different numbers of steps, and a rank that is
+done serves the others until all are; rank 0 writes every rank's per-sentence lines, by sentence id, then the
+score line, computed over all sentences (GatheringScorer).
+"""
+import functools
+import io
+import os
+import re
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fairseq_moe_layer import lockstep
+
+from . import patches
+from .compat import leave_now, one_rank_of_a_job
+from .errors import FlagError
+
+SENTENCE = re.compile(r"^[A-Z]-(\d+)\t")  # fairseq-generate's per-sentence lines: S-12, T-12, H-12, D-12, P-12 ...
+
+
+def launched_world():
+    """(rank, world size) of a launched job (torchrun, fairseq_moe.launch) with several ranks, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world < 2 or "RANK" not in os.environ or not one_rank_of_a_job():
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def start(cfg, rank, world):
+    """The job's process group, and fairseq's config told about it (the data shards follow it)."""
+    from fairseq.utils import split_paths
+
+    if len(split_paths(cfg.common_eval.path)) > 1 or getattr(cfg.generation, "lm_path", None):
+        raise FlagError("--path with several models (or --lm-path) cannot run on several ranks: with the experts "
+                        "spread, generate with one model at a time")
+    cuda = torch.cuda.is_available() and not cfg.common.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.distributed_training.heartbeat_timeout
+                                              if cfg.distributed_training.heartbeat_timeout > 0 else 1800))
+    cfg.distributed_training.distributed_world_size = world
+    cfg.distributed_training.distributed_rank = rank
+
+
+class SentenceLines(io.TextIOBase):
+    """generate's output file on one rank: the per-sentence lines are kept for rank 0 to write (merge), every
+    other line goes on at once (rank 0: to the output; the other ranks: to stderr)."""
+
+    def __init__(self, passthrough):
+        self.passthrough, self.kept, self.partial, self.merged = passthrough, [], "", False
+
+    def write(self, text):
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop()
+        for line in lines:
+            if SENTENCE.match(line):
+                self.kept.append(line)
+            else:
+                self.passthrough.write(line + "\n")
+        return len(text)
+
+    def flush(self):
+        self.passthrough.flush()
+
+    def merge(self, steps):
+        """On every rank at once (a collective; the layers' lockstep drained first): rank 0 writes the sentence
+        lines of all ranks, ordered by sentence id (a sentence's lines in the order they were written)."""
+        if self.merged:
+            return
+        self.merged = True
+        lockstep.drain_all(steps)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.kept)
+        if dist.get_rank() == 0:
+            lines = [line for kept in every for line in kept]
+            lines.sort(key=lambda line: int(SENTENCE.match(line).group(1)))  # (stable)
+            for line in lines:
+                self.passthrough.write(line + "\n")
+            self.passthrough.flush()
+
+
+class GatheringScorer:
+    """fairseq's scorer for one rank: what generate adds is kept, and the score is the real scorer's over the
+    additions of every rank (a collective: every rank asks for it at the same point, after its last sentence)."""
+
+    def __init__(self, make, out, steps):
+        self.make, self.out, self.steps, self.adds, self.total = make, out, steps, [], None
+        if hasattr(make(), "add_string"):  # (generate calls add_string where the scorer has it)
+            self.add_string = lambda ref, pred: self.adds.append((ref, pred))
+
+    def add(self, ref, pred):
+        self.adds.append((ref.tolist(), pred.tolist()))
+
+    def all_ranks(self):
+        if self.total is None:
+            self.out.merge(self.steps)  # the sentence lines come before the score line
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, self.adds)
+            self.total = self.make()
+            for ref, pred in (pair for adds in every for pair in adds):
+                if isinstance(ref, str):
+                    self.total.add_string(ref, pred)
+                else:
+                    self.total.add(torch.tensor(ref, dtype=torch.int), torch.tensor(pred, dtype=torch.int))
+        return self.total
+
+    def result_string(self, *args, **kwargs):
+        return self.all_ranks().result_string(*args, **kwargs)
+
+    def score(self, *args, **kwargs):
+        return self.all_ranks().score(*args, **kwargs)
+
+
+class _NoSeconds(float):
+    """0 seconds that can be divided by (giving 0): fairseq's generate divides by the time it spent, which is 0
+    on a rank whose shard is empty (fewer batches than ranks)."""
+
+    def __rtruediv__(self, other):
+        return 0.0
+
+
+def stopwatch():
+    """generate's StopwatchMeter, for a rank that may not time anything."""
+    from fairseq.logging.meters import StopwatchMeter
+
+    meter = StopwatchMeter()
+    meter.sum = _NoSeconds(0.0)
+    return meter
+
+
+def spread_generate(_main):
+    """fairseq_cli.generate._main on every rank of a launched job (see above); elsewhere as it is."""
+    @functools.wraps(_main)
+    def wrapped(cfg, output_file):
+        job = launched_world()
+        if job is None or dist.is_initialized():
+            return _main(cfg, output_file)
+        from fairseq import scoring
+
+        start(cfg, *job)
+        out = SentenceLines(output_file if job[0] == 0 else sys.stderr)
+        build = scoring.build_scorer
+        try:
+            with lockstep.inference() as steps:
+                def gathering(choice, tgt_dict):
+                    return GatheringScorer(functools.partial(build, choice, tgt_dict), out, steps)
+
+                generate = sys.modules[_main.__module__]
+                with patches.scoped(scoring, "build_scorer", gathering), \
+                        patches.scoped(generate, "StopwatchMeter", stopwatch):
+                    result = _main(cfg, out)
+                out.merge(steps)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        output_file.flush()
+        leave_now(0)  # (the interpreter's teardown is where gloo ranks can abort: compat.leave_together)
+        return result
+
+    return wrapped

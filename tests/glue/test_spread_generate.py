@@ -1,0 +1,86 @@
+"""fairseq-generate on W ranks with the experts spread (spread.py) gives, sentence by sentence, what one
+process gives from the same checkpoint: the same hypotheses and scores, the same BLEU; a set saved by 2 ranks
+generates on 2 and on 4 ranks (cut on load), a single file on 2 and 4 (4: one expert per rank, and a rank whose
+shard is empty). Beam search runs a different number of steps on each rank, and every rank leaves together."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import USER_DIR, run_train, tail, train_argv
+from .test_expert_parallel import COMMON, launch, finish
+
+GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8", "--cpu")
+
+
+def generate(data_bin, path, W, *extra):
+    """fairseq-generate on W ranks (1: fairseq's own, one process): its CompletedProcess."""
+    argv = ["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", str(path), *GENERATE, *extra]
+    cmd = argv if W == 1 else [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", *argv]
+    if W == 1:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), *argv[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=600)
+
+
+def sentences(stdout):
+    """{"H-12": (score, text), "P-12": [scores], ...} and the BLEU line, from generate's output."""
+    lines, bleu = {}, [line for line in stdout.splitlines() if line.startswith("Generate test")]
+    for line in stdout.splitlines():
+        if line[:2] in ("S-", "T-", "H-", "D-", "P-"):
+            key, rest = line.split("\t", 1)
+            assert key not in lines, f"{key} twice"
+            lines[key] = rest
+    return lines, bleu
+
+
+def assert_same(one, many):
+    a, bleu_a = sentences(one)
+    b, bleu_b = sentences(many)
+    assert a.keys() == b.keys() and len(a) == 5 * 20
+    for key in a:
+        if key[0] in "HD":
+            (sa, ta), (sb, tb) = a[key].split("\t"), b[key].split("\t")
+            assert ta == tb and float(sa) == pytest.approx(float(sb), abs=1e-5), key
+        elif key[0] == "P":
+            assert [float(x) for x in a[key].split()] == pytest.approx([float(x) for x in b[key].split()],
+                                                                      abs=1e-4), key
+        else:
+            assert a[key] == b[key], key
+    assert len(bleu_a) == len(bleu_b) == 1 and bleu_a == bleu_b
+
+
+@pytest.fixture(scope="module")
+def spread_set(data_bin, tmp_path_factory):
+    """checkpoint_last of a 2-rank run (4 experts, top-2): a set."""
+    save = tmp_path_factory.mktemp("spread_set")
+    finish(launch(2, save, *train_argv(data_bin, save, *COMMON)))
+    return save / "checkpoint_last.pt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("W", [2, 4])
+def test_a_set_generates_on_w_ranks_as_on_one_process(data_bin, spread_set, W):
+    one, many = generate(data_bin, spread_set, 1), generate(data_bin, spread_set, W)
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+    assert_same(one.stdout, many.stdout)
+
+
+@pytest.mark.slow
+def test_a_hash_routed_file_generates_on_two_ranks_as_on_one_process(data_bin, tmp_path):
+    """A single file of one process (hash routing, k = 1): each rank cuts its experts out of it."""
+    run_train(train_argv(data_bin, tmp_path, "--max-update", "3", "--moe-expert-count", "4", "--moe-routing",
+                         "hash", "--moe-top-k", "1", "--required-batch-size-multiple", "1"))
+    path = tmp_path / "checkpoint_last.pt"
+    one, many = generate(data_bin, path, 1), generate(data_bin, path, 2, "--results-path", str(tmp_path / "out"))
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+    assert many.stdout.strip() == ""  # (all of it went to the results file, once)
+    assert_same(one.stdout, (tmp_path / "out" / "generate-test.txt").read_text())
+
+
+@pytest.mark.slow
+def test_ranks_that_do_not_divide_the_experts_are_one_line(data_bin, spread_set):
+    out = generate(data_bin, spread_set, 3)
+    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    assert out.returncode == 2 and len(errors) == 1 and "--moe-expert-count 4" in errors[0], tail(out.stderr)
