@@ -102,6 +102,11 @@ PATCHES = (
           wraps=True),
     Patch("fairseq.scoring", "build_scorer", "fairseq_moe.spread:GatheringScorer",
           "on W ranks the score is computed over the sentences of every rank", scoped=True),
+    Patch("fairseq_cli.eval_lm", "eval_lm", "fairseq_moe.spread:spread_eval_lm",
+          "on several ranks each evaluates its shard and reports its own perplexity: here the layers in "
+          "lockstep and the perplexity of the whole set", wraps=True),
+    Patch("fairseq_cli.eval_lm", "SequenceScorer", "fairseq_moe.spread:spread_eval_lm",
+          "on several ranks the tokens each rank scores are counted, to weight its loss", scoped=True),
     Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.spread:stopwatch",
           "generate divides by the time it spent translating: 0 on a rank whose shard is empty", scoped=True),
     # Bad input is one line (cli.py)

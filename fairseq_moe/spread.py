@@ -3,6 +3,8 @@
     torchrun --nproc-per-node W $(which fairseq-generate) DATA --user-dir fairseq_moe --path CKPT.pt ...
     python -m fairseq_moe.launch --nproc W -- fairseq-generate DATA --user-dir fairseq_moe --path CKPT.pt ...
 
+fairseq-eval-lm on the ranks of a job (spread_eval_lm): the layers in lockstep, the perplexity of the whole set.
+
 fairseq's generate runs one independent process per rank. Here (patches.py: fairseq_cli.generate._main), when
 the job has several ranks: the process group is made (gloo on CPU, nccl on CUDA); the model is built with its
 experts spread (models/moe_transformer.build_expert_parallel) and each rank reads the shared file and its own
@@ -13,7 +15,9 @@ done serves the others until all are; rank 0 writes every rank's per-sentence li
 score line, computed over all sentences (GatheringScorer).
 """
 import functools
+import inspect
 import io
+import math
 import os
 import re
 import sys
@@ -170,5 +174,46 @@ def spread_generate(_main):
         output_file.flush()
         leave_now(0)  # (the interpreter's teardown is where gloo ranks can abort: compat.leave_together)
         return result
+
+    return wrapped
+
+
+def spread_eval_lm(eval_lm):
+    """fairseq_cli.eval_lm.eval_lm on the ranks of a job (fairseq-eval-lm runs through fairseq's distributed_main,
+    each rank on its shard): the MoE layers in lockstep, and the loss and perplexity of the whole set rather than
+    of this rank's shard (each rank's sum of log-probabilities and token count, added up)."""
+    @functools.wraps(eval_lm)
+    def wrapped(models, *args, **kwargs):
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return eval_lm(models, *args, **kwargs)
+        given = inspect.signature(eval_lm).bind(models, *args, **kwargs)
+        given.apply_defaults()
+        if given.arguments["post_process"] is not None:
+            raise FlagError("--post-process cannot be used by fairseq-eval-lm on several ranks (its merged "
+                            "subwords change the token count that the ranks' losses are weighted by)")
+        if len(models) > 1:
+            raise FlagError("--path with several models cannot be evaluated on several ranks: one at a time")
+        module = sys.modules[eval_lm.__module__]
+        counted = []
+
+        class Counting(module.SequenceScorer):
+            """generate's tokens, counted as eval_lm counts them (inf scores skipped, bos removed)."""
+
+            def generate(self, models, sample, **kw):
+                hypos = super().generate(models, sample, **kw)
+                for hypo in hypos:
+                    scores = hypo[0]["positional_scores"][1 if given.arguments["remove_bos_token"] else 0:]
+                    counted.append(int((~scores.float().isinf()).sum()))
+                return hypos
+
+        with lockstep.lockstep(models[0]), patches.scoped(module, "SequenceScorer", Counting):
+            results = eval_lm(models, *args, **kwargs)
+        count = sum(counted)
+        device = next(models[0].parameters()).device
+        total = torch.tensor([-results["loss"] * math.log(2) * count, count], dtype=torch.float64,
+                             device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(total)
+        loss = float(-total[0] / total[1] / math.log(2)) if total[1] > 0 else 0.0
+        return dict(results, loss=loss, perplexity=2 ** loss)
 
     return wrapped

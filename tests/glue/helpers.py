@@ -73,6 +73,11 @@ def lm_train_argv(data, save_dir, *extra):
     ]
 
 
+def eval_lm_argv(data, path, *extra):
+    return [data, "--user-dir", USER_DIR, "--path", str(path), "--task", "language_modeling", *LM_DATA,
+            "--gen-subset", "valid", "--max-tokens", "400", "--cpu", *extra]
+
+
 def run_eval_lm(data, path, *extra):
     """fairseq-eval-lm in this process on the valid set; -> its {'loss' (base 2), 'perplexity'}."""
     from fairseq import options
@@ -80,10 +85,7 @@ def run_eval_lm(data, path, *extra):
     from fairseq_cli import eval_lm
 
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [
-        data, "--user-dir", USER_DIR, "--path", str(path), "--task", "language_modeling", *LM_DATA,
-        "--gen-subset", "valid", "--max-tokens", "400", "--cpu", *extra,
-    ])
+    args = options.parse_args_and_arch(parser, eval_lm_argv(data, path, *extra))
     return unwrapped(eval_lm.main)(convert_namespace_to_omegaconf(args))
 
 

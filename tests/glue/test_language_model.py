@@ -18,7 +18,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_moe import expert_checkpoint as shards
 from fairseq_moe.models.moe_ffn import moe_blocks
 
-from .helpers import assert_same_params, build, lm_train_argv, parse_train, run_eval_lm, run_train
+from .helpers import assert_same_params, build, eval_lm_argv, lm_train_argv, parse_train, run_eval_lm, run_train
 
 # Dropless at eval (fraction 0): a token's output does not depend on the batch it is evaluated in,
 # so fairseq-eval-lm, validation and incremental decoding see the same model.
@@ -174,6 +174,15 @@ def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, ex
 
     result = run_eval_lm(lm_data_bin, many / "checkpoint_last-shared.pt")
     assert float(result["loss"]) == pytest.approx(b["extra_state"]["val_loss"], abs=ROUNDED)
+    if not extra:  # fairseq-eval-lm on the 2 ranks, the experts spread (spread.py): the loss of the whole set
+        small = run_eval_lm(lm_data_bin, many / "checkpoint_last-shared.pt", "--max-tokens", "60")
+        out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-eval-lm",
+                              *eval_lm_argv(lm_data_bin, many / "checkpoint_last.pt"), "--max-tokens", "60"],
+                             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+        lines = [line for line in out.stderr.splitlines() if "Loss (base 2):" in line]
+        assert out.returncode == 0 and len(lines) == 1, out.stderr[-3000:]
+        loss = float(lines[0].split("Loss (base 2): ")[1].split(",")[0])
+        assert loss == pytest.approx(float(small["loss"]), abs=1e-4)
 
 
 def test_layers_to_keep_prunes_to_the_right_layers(lm_data_bin, tmp_path):
