@@ -5,8 +5,9 @@
 
 One run: a toy translation corpus (random letter words; the target is the source reversed), fairseq-preprocess,
 one update of a moe_transformer_tiny whose experts dominate its size (--experts E of width --ffn), saved as one
-file; then fairseq-generate on its test set at each W (W = 1: fairseq's own, one process; W > 1: python -m
-fairseq_moe.launch), each rank under /usr/bin/time. Printed per W, and as ratios to W = 1: the model bytes each
+file; then fairseq-generate on its test set at each W (W = 1: fairseq's own, one process, from the file; W > 1:
+python -m fairseq_moe.launch, from the set that python -m fairseq_moe.reshard writes for W ranks, or with
+--from-file from the file), each rank under /usr/bin/time. Printed per W, and as ratios to W = 1: the model bytes each
 rank holds (the shared tensors + its E/W experts, from the checkpoint), the peak RSS of the largest rank (measured:
 torch and fairseq's own ~0.5 GB included), the wall time of the whole command (start-up included) and sentences/s
 over it. The hypotheses of every W are checked to be those of W = 1.
@@ -51,7 +52,8 @@ def run(cmd, **kwargs):
 
 def model_bytes(path, world):
     """Bytes of the model tensors one rank holds at world size W: the shared ones + E/W of each expert tensor."""
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
+    with torch.serialization.safe_globals([argparse.Namespace]):  # (fairseq pickles its args)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
     total = 0
     for name, t in state.items():
         size = t.numel() * t.element_size()
@@ -67,8 +69,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=2048, help="expert width")
+    p.add_argument("--ffn", type=int, default=8192, help="expert width")
     p.add_argument("--sentences", type=int, default=200)
+    p.add_argument("--from-file", action="store_true", help="W > 1 also from the single file (each rank reads it, "
+                                                                 "memory-mapped, and cuts out its experts)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_generate_"))
@@ -80,11 +84,16 @@ def main():
          "--max-tokens", "2000", "--max-update", "1", "--cpu", "--save-dir", str(save), "--no-epoch-checkpoints",
          "--num-workers", "0", "--no-progress-bar"])
     path = save / "checkpoint_last.pt"
-    generate = ["fairseq-generate", data, "--user-dir", USER_DIR, "--path", str(path), "--task", "moe_translation",
-                "--gen-subset", "test", "--beam", "4", "--batch-size", "16", "--max-len-b", "40", "--cpu"]
     timed = ["/usr/bin/time", "-f", "MAXRSS_KB %M"]
     rows, reference = [], None
     for W in args.world:
+        source = path
+        if W > 1 and not args.from_file:
+            source = tmp / f"set{W}" / "checkpoint.pt"
+            run([sys.executable, "-m", "fairseq_moe.reshard", str(path), str(source), "--world-size", str(W)])
+        generate = ["fairseq-generate", data, "--user-dir", USER_DIR, "--path", str(source), "--task",
+                    "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "16", "--max-len-b", "40",
+                    "--cpu"]
         cmd = [*timed, *generate] if W == 1 else [
             sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", *timed, *generate]
         start = time.perf_counter()

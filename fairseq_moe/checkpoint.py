@@ -80,15 +80,16 @@ def _atomic_copy(src, dst, overwrite):
     return True
 
 
-def load_checkpoint_file(path, arg_overrides=None):
+def load_checkpoint_file(path, arg_overrides=None, mmap=False):
     """fairseq's load_checkpoint_to_cpu for one local file, made safe: torch.load with weights_only=True
     passed explicitly, errors that name the file, and no config string that fairseq would eval() unless
-    it is a literal. Then what fairseq does: flag overrides, the config as OmegaConf, old formats upgraded."""
+    it is a literal. Then what fairseq does: flag overrides, the config as OmegaConf, old formats upgraded.
+    mmap: the tensors stay backed by the file (only what is used is read: one rank's experts)."""
     from fairseq import checkpoint_utils
     from fairseq.dataclass.utils import overwrite_args_by_name
     from omegaconf import OmegaConf
 
-    state = shards.read_file(path)
+    state = shards.read_file(path, mmap=mmap)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a fairseq checkpoint (a {type(state).__name__}"
                               + (" without a model state)" if isinstance(state, dict) else ")"))
@@ -104,7 +105,7 @@ def load_checkpoint_file(path, arg_overrides=None):
         return checkpoint_utils._upgrade_state_dict(state)
 
 
-def load_found(found, arg_overrides=None, want=None, experts=None):
+def load_found(found, arg_overrides=None, want=None, experts=None, mmap=False):
     """The state of what shards.resolve() found: a single file, or a set assembled (want: the expert
     ranges to read, else all; or a function of the saved {name: E} that gives them). experts: the model's
     {name: E}, checked against the saved layout. A set's shared file goes through fairseq's loader
@@ -113,7 +114,7 @@ def load_found(found, arg_overrides=None, want=None, experts=None):
     path = target if kind == "file" else shards.shared_path(target)
     if kind == "set" and not os.path.exists(path):
         shards.check_set(target)  # names the missing shared file and what it is for (assemble checks the rest)
-    state = load_checkpoint_file(path, arg_overrides)
+    state = load_checkpoint_file(path, arg_overrides, mmap=mmap and kind == "file")
     with shards.laid_out(path):
         check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
     if callable(want):
@@ -354,7 +355,7 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
             raise FlagError(str(e)) from None
 
     state = load_found(found, arg_overrides, want=lambda experts: {
-        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]})
+        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]}, mmap=True)
     if found[0] == "set":
         return state
     full = {n: t.shape[0] for n, t in state["model"].items() if EXPERT_TENSOR.search(n)}  # a file: every expert
