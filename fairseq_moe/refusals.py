@@ -163,13 +163,6 @@ REFUSALS = (
             "per expert (adafactor's statistics of the expert biases mix the experts); use adam, sgd, ...",
             "a set cuts the optimizer state along the expert dimension",
             {"spread": True, "flags": {"optimizer": "adafactor"}}),
-    Refusal("BLEU during validation with spread experts", ("--eval-bleu",), "trainer",
-            lambda c: c.spread and bool(getattr(c.task, "eval_bleu", False)),
-            "--eval-bleu cannot run with the experts spread over several ranks (beam search takes a different "
-            "number of steps on each rank, and every MoE layer is a collective); validate the loss here and "
-            "score BLEU with fairseq-generate",
-            "the ranks would wait for each other forever",
-            {"spread": True, "task": argparse.Namespace(eval_bleu=True)}),
     Refusal("the neg_log balance-loss transform with routing that has no balance loss",
             ("--moe-gate-loss-transform", "--moe-routing"), "trainer",
             lambda c: c.loss("moe_gate_loss_transform") == "neg_log" and any(

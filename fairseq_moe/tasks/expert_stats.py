@@ -19,6 +19,7 @@ import torch.distributed as dist
 from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
 
+from fairseq_moe_layer.lockstep import lockstep
 from fairseq_moe_layer.options import first_bad, flag_of, setting
 
 from ..errors import FlagError
@@ -130,6 +131,13 @@ class MoETaskMixin:
         if self.load_log is not None and not ignore_grad:
             self.load_log.add(model)  # each micro-batch of --update-freq
         return out
+
+    def valid_step(self, sample, model, criterion):
+        # With the experts spread, --eval-bleu's beam search takes a different number of steps on each rank:
+        # the MoE layers keep the ranks in lockstep for the step, and drain at its end (before fairseq gathers
+        # the logging outputs). Without spread experts this changes nothing.
+        with lockstep(model):
+            return super().valid_step(sample, model, criterion)
 
     def optimizer_step(self, optimizer, model, update_num):
         super().optimizer_step(optimizer, model, update_num)

@@ -103,25 +103,6 @@ def test_moe_task_needs_moe_layers(data_bin, tmp_path):
         build(argv)
 
 
-def test_eval_bleu_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
-    """With experts on several ranks, --eval-bleu would hang in beam search: refused when fairseq builds
-    its Trainer, before any update."""
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.trainer import Trainer
-
-    from fairseq_moe.models import moe_transformer
-    from fairseq_moe_layer.comm import ExpertParallel
-
-    task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--eval-bleu", "--eval-bleu-detok", "space"))
-    assert task.cfg.eval_bleu  # on one process it is fine
-    Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
-    spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
-    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
-    cfg = convert_namespace_to_omegaconf(args)
-    with pytest.raises(ValueError, match="--eval-bleu"):
-        Trainer(cfg, task, task.build_model(cfg.model), criterion)
-
-
 def test_kernel_backend_flag(data_bin, tmp_path, monkeypatch):
     cfg = blocks(data_bin, tmp_path)["encoder.layers.1.fc1"].moe.cfg
     assert cfg.kernel_backend == "auto"

@@ -1,7 +1,8 @@
 """fairseq-generate on W ranks with the experts spread (spread.py) gives, sentence by sentence, what one
 process gives from the same checkpoint: the same hypotheses and scores, the same BLEU; a set saved by 2 ranks
-generates on 2 and on 4 ranks (cut on load), a single file on 2 and 4 (4: one expert per rank, and a rank whose
-shard is empty). Beam search runs a different number of steps on each rank, and every rank leaves together."""
+generates on 2 and on 4 ranks (cut on load; 4: one expert per rank, and a rank whose shard is empty), a
+hash-routed single file on 2. Beam search runs a different number of steps on each rank, and every rank leaves
+together. --eval-bleu in training on 2 ranks gives one process's BLEU."""
 import os
 import subprocess
 import sys
@@ -84,3 +85,30 @@ def test_ranks_that_do_not_divide_the_experts_are_one_line(data_bin, spread_set)
     out = generate(data_bin, spread_set, 3)
     errors = [line for line in out.stderr.splitlines() if ": error: " in line]
     assert out.returncode == 2 and len(errors) == 1 and "--moe-expert-count 4" in errors[0], tail(out.stderr)
+
+
+EVAL_BLEU = ("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args", '{"beam": 2}')
+# One update per epoch, a validation (with its BLEU) after each: 12 BLEUs, several of them far from 0.
+BLEU_RUN = (*COMMON, "--max-update", "12", "--max-tokens", "1600", *EVAL_BLEU)
+
+
+def valid_bleus(log):
+    """The BLEU of every validation in a training log."""
+    found = [line.split("| bleu ")[1].split()[0] for line in log.splitlines() if "| bleu " in line and "valid" in line]
+    assert found, log[-3000:]
+    return [float(x) for x in found]
+
+
+@pytest.mark.slow
+def test_eval_bleu_on_two_ranks_is_the_bleu_of_one_process(data_bin, tmp_path):
+    """--eval-bleu with the experts spread (the task's valid_step keeps the layers in lockstep): every
+    validation BLEU of the 2-rank run is the 1-process run's with the same global batch (--update-freq 2)."""
+    many = launch(2, tmp_path / "many", *train_argv(data_bin, tmp_path / "many", *BLEU_RUN))
+    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                          *train_argv(data_bin, tmp_path / "one", *BLEU_RUN, "--update-freq", "2")],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert one.returncode == 0, tail(one.stderr)
+    out = finish(many)
+    bleus = valid_bleus(one.stdout + one.stderr)
+    assert len(bleus) == 12 and max(bleus) > 0.5
+    assert valid_bleus(out.stdout + out.stderr) == bleus
