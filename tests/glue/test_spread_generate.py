@@ -112,3 +112,22 @@ def test_eval_bleu_on_two_ranks_is_the_bleu_of_one_process(data_bin, tmp_path):
     bleus = valid_bleus(one.stdout + one.stderr)
     assert len(bleus) == 12 and max(bleus) > 0.5
     assert valid_bleus(out.stdout + out.stderr) == bleus
+
+
+@pytest.mark.slow
+def test_an_upcycled_top1_file_generates_on_two_ranks_as_on_one_process(data_bin, tmp_path):
+    """An upcycled file (python -m fairseq_moe.upcycle: no expert manifest), top-1, MoE in every layer."""
+    from fairseq_moe import upcycle
+
+    from .test_upcycle import dense_argv
+
+    pairs = zip(COMMON[::2], COMMON[1::2])
+    argv = [x for flag, value in pairs if not flag.startswith("--moe-") for x in (flag, value)]
+    run_train(dense_argv(train_argv(data_bin, tmp_path / "dense", *argv, "--max-update", "3"), "transformer",
+                         "translation", "label_smoothed_cross_entropy"))
+    path = tmp_path / "moe.pt"
+    assert upcycle.main([str(tmp_path / "dense" / "checkpoint_last.pt"), str(path), "--experts", "4", "--top-k", "1",
+                         "--moe-freq", "1"]) == 0
+    one, many = generate(data_bin, path, 1), generate(data_bin, path, 2)
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+    assert_same(one.stdout, many.stdout)
