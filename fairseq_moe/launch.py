@@ -115,6 +115,10 @@ def wait_all(procs, received, grace):
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
+            rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
+            how = f"signal {signal.Signals(-failed[0]).name}" if failed[0] < 0 else f"exit code {failed[0]}"
+            print(f"fairseq_moe.launch: rank {rank} of {len(procs)} ended with {how}; the other ranks get "
+                  f"{SETTLE_SECONDS} s to end, then are stopped", file=sys.stderr, flush=True)
             # The others often meet the same error a moment later (rank 0 prints it): let them end
             # on their own first; one left waiting in a collective is stopped after SETTLE_SECONDS.
             settle = time.monotonic() + SETTLE_SECONDS

@@ -131,3 +131,35 @@ def test_an_upcycled_top1_file_generates_on_two_ranks_as_on_one_process(data_bin
     one, many = generate(data_bin, path, 1), generate(data_bin, path, 2)
     assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
     assert_same(one.stdout, many.stdout)
+
+
+DIES = """
+import os, signal, sys
+import fairseq_moe_layer.layer as layer
+from fairseq_cli.generate import cli_main
+if os.environ["RANK"] == "1":  # killed in its 5th MoE layer call: in the middle of a beam search
+    forward, calls = layer.MoELayer.forward, []
+    def dying(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(self, *args, **kwargs)
+    layer.MoELayer.forward = dying
+sys.argv[0] = "fairseq-generate"
+sys.exit(cli_main())
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_generation_stops_the_job_with_a_line(data_bin, spread_set, tmp_path):
+    import time
+
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5", "--",
+                          sys.executable, str(script), data_bin, "--user-dir", USER_DIR, "--path", str(spread_set),
+                          *GENERATE], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         timeout=300)
+    assert out.returncode != 0 and time.monotonic() - start < 120, tail(out.stderr)
+    assert "rank 1 of 2 ended with signal SIGKILL" in out.stderr, tail(out.stderr)
