@@ -107,6 +107,10 @@ PATCHES = (
           "lockstep and the perplexity of the whole set", wraps=True),
     Patch("fairseq_cli.eval_lm", "SequenceScorer", "fairseq_moe.spread:spread_eval_lm",
           "on several ranks the tokens each rank scores are counted, to weight its loss", scoped=True),
+    Patch("fairseq_cli.interactive", "buffered_read", "fairseq_moe.spread:shared_input",
+          "on several ranks every rank would read stdin: here rank 0 reads and shares each buffer", wraps=True),
+    Patch("fairseq_cli.interactive", "print", "fairseq_moe.spread:rank0_print",
+          "on several ranks every rank translates the same input: rank 0 alone prints it"),
     Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.spread:stopwatch",
           "generate divides by the time it spent translating: 0 on a rank whose shard is empty", scoped=True),
     # Bad input is one line (cli.py)

@@ -4,6 +4,9 @@
     python -m fairseq_moe.launch --nproc W -- fairseq-generate DATA --user-dir fairseq_moe --path CKPT.pt ...
 
 fairseq-eval-lm on the ranks of a job (spread_eval_lm): the layers in lockstep, the perplexity of the whole set.
+fairseq-interactive on the ranks of a job (shared_input, rank0_print): rank 0 reads the input and sends each
+buffer to every rank; every rank translates it all (the experts spread: each expert sees the tokens of every
+rank, so all compute the same), in lockstep; rank 0 alone prints.
 
 fairseq's generate runs one independent process per rank. Here (patches.py: fairseq_cli.generate._main), when
 the job has several ranks: the process group is made (gloo on CPU, nccl on CUDA); the model is built with its
@@ -217,3 +220,38 @@ def spread_eval_lm(eval_lm):
         return dict(results, loss=loss, perplexity=2 ** loss)
 
     return wrapped
+
+
+def shared_input(buffered_read):
+    """fairseq_cli.interactive.buffered_read on the ranks of a job: rank 0 reads, every rank gets each buffer; the
+    model's layers are in lockstep while a buffer is translated, and drained before the next is sent."""
+    @functools.wraps(buffered_read)
+    def wrapped(input, buffer_size):
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            yield from buffered_read(input, buffer_size)
+            return
+        steps = lockstep.live_ones()
+        chunks = buffered_read(input, buffer_size) if dist.get_rank() == 0 else None
+        try:
+            while True:
+                lockstep.drain_all(steps)  # (every rank between two buffers: the broadcast is not an MoE call)
+                box = [next(chunks, None) if chunks is not None else None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    return
+                for step in steps:
+                    step.on = True
+                yield box[0]
+        finally:
+            for step in steps:
+                step.on = False
+
+    return wrapped
+
+
+def rank0_print(*args, **kwargs):
+    """print for fairseq_cli.interactive: on the ranks of a job, rank 0 alone prints (every rank translates
+    the same sentences)."""
+    if "file" not in kwargs and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(*args, **kwargs)

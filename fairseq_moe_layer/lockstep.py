@@ -11,12 +11,14 @@ serves empty calls until every rank of the group is done. Within one forward the
 order, so every rank's wanted layer is reached: no rank waits forever.
 """
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
 
 DONE = 2 ** 62  # what a rank that has finished wants
 _MADE = []  # inside inference(): the Locksteps made there (on from the start)
+_LIVE = weakref.WeakSet()  # every Lockstep of this process (live_ones)
 
 
 class Lockstep:
@@ -25,6 +27,7 @@ class Lockstep:
         self.layers = []  # the MoE layers of this group, in the order they were built
         self.on = False
         self._serving = False
+        _LIVE.add(self)
         if _MADE:
             _MADE[-1].append(self)
             self.on = True
@@ -104,3 +107,8 @@ def inference():
 def drain_all(steps):
     for step in steps:
         step.drain()
+
+
+def live_ones():
+    """Every Lockstep of this process (a tool that has loaded one model: its layers')."""
+    return list(_LIVE)

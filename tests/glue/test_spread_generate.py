@@ -163,3 +163,33 @@ def test_a_rank_killed_mid_generation_stops_the_job_with_a_line(data_bin, spread
                          timeout=300)
     assert out.returncode != 0 and time.monotonic() - start < 120, tail(out.stderr)
     assert "rank 1 of 2 ended with signal SIGKILL" in out.stderr, tail(out.stderr)
+
+
+@pytest.mark.slow
+def test_interactive_on_two_ranks_prints_what_one_process_prints(data_bin, spread_set):
+    """fairseq-interactive on 2 ranks, input on stdin: rank 0 reads it and shares each buffer; the same S/H/D/P
+    lines as one process, once."""
+    text = "a b c\nd e f g h i j k l m n o p q r s t\nk\nq r s a b c d\n"
+    argv = ["fairseq-interactive", data_bin, "--user-dir", USER_DIR, "--path", str(spread_set), "--task",
+            "moe_translation", "--source-lang", "src", "--target-lang", "tgt", "--beam", "4", "--cpu",
+            "--buffer-size", "2", "--batch-size", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]], input=text,
+                         capture_output=True, text=True, env=env, timeout=600)
+    many = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", *argv], input=text,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+
+    def lines(out):
+        return [line for line in out.splitlines() if line[:2] in ("S-", "H-", "D-", "P-")]
+
+    a, b = lines(one.stdout), lines(many.stdout)
+    assert len([x for x in a if x.startswith("H-")]) == 4 and len(a) == len(b)
+    for x, y in zip(a, b):  # the same lines in the same order; scores within float rounding
+        (kx, *rest_x), (ky, *rest_y) = x.split("\t"), y.split("\t")
+        assert kx == ky and (rest_x[-1] == rest_y[-1] if kx[0] in "SHD" else True), (x, y)
+        if kx[0] in "HD":
+            assert float(rest_x[0]) == pytest.approx(float(rest_y[0]), abs=1e-5), (x, y)
+        if kx[0] == "P":
+            assert [float(v) for v in rest_x[0].split()] == pytest.approx([float(v) for v in rest_y[0].split()],
+                                                                          abs=1e-4), (x, y)
