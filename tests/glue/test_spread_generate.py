@@ -26,29 +26,30 @@ def generate(data_bin, path, W, *extra):
 
 
 def sentences(stdout):
-    """{"H-12": (score, text), "P-12": [scores], ...} and the BLEU line, from generate's output."""
+    """{"H-12": [(score, text), ...], "P-12": [...], ...} (several with --nbest) and the BLEU line, from
+    generate's output."""
     lines, bleu = {}, [line for line in stdout.splitlines() if line.startswith("Generate test")]
     for line in stdout.splitlines():
         if line[:2] in ("S-", "T-", "H-", "D-", "P-"):
             key, rest = line.split("\t", 1)
-            assert key not in lines, f"{key} twice"
-            lines[key] = rest
+            lines.setdefault(key, []).append(rest)
     return lines, bleu
 
 
-def assert_same(one, many):
+def assert_same(one, many, nbest=1):
     a, bleu_a = sentences(one)
     b, bleu_b = sentences(many)
     assert a.keys() == b.keys() and len(a) == 5 * 20
     for key in a:
-        if key[0] in "HD":
-            (sa, ta), (sb, tb) = a[key].split("\t"), b[key].split("\t")
-            assert ta == tb and float(sa) == pytest.approx(float(sb), abs=1e-5), key
-        elif key[0] == "P":
-            assert [float(x) for x in a[key].split()] == pytest.approx([float(x) for x in b[key].split()],
-                                                                      abs=1e-4), key
-        else:
-            assert a[key] == b[key], key
+        assert len(a[key]) == len(b[key]) == (nbest if key[0] in "HDP" else 1), key
+        for x, y in zip(a[key], b[key]):
+            if key[0] in "HD":
+                (sx, tx), (sy, ty) = x.split("\t"), y.split("\t")
+                assert tx == ty and float(sx) == pytest.approx(float(sy), abs=1e-5), key
+            elif key[0] == "P":
+                assert [float(v) for v in x.split()] == pytest.approx([float(v) for v in y.split()], abs=1e-4), key
+            else:
+                assert x == y, key
     assert len(bleu_a) == len(bleu_b) == 1 and bleu_a == bleu_b
 
 
@@ -61,11 +62,12 @@ def spread_set(data_bin, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("W", [2, 4])
-def test_a_set_generates_on_w_ranks_as_on_one_process(data_bin, spread_set, W):
-    one, many = generate(data_bin, spread_set, 1), generate(data_bin, spread_set, W)
+@pytest.mark.parametrize("W, extra", [(2, ()), (4, ()), (2, ("--nbest", "2")), (2, ("--score-reference",))],
+                         ids=["2", "4", "2-nbest", "2-score-reference"])
+def test_a_set_generates_on_w_ranks_as_on_one_process(data_bin, spread_set, W, extra):
+    one, many = generate(data_bin, spread_set, 1, *extra), generate(data_bin, spread_set, W, *extra)
     assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
-    assert_same(one.stdout, many.stdout)
+    assert_same(one.stdout, many.stdout, nbest=2 if "--nbest" in extra else 1)
 
 
 @pytest.mark.slow
@@ -193,3 +195,15 @@ def test_interactive_on_two_ranks_prints_what_one_process_prints(data_bin, sprea
         if kx[0] == "P":
             assert [float(v) for v in rest_x[0].split()] == pytest.approx([float(v) for v in rest_y[0].split()],
                                                                           abs=1e-4), (x, y)
+
+
+@pytest.mark.slow
+def test_sampling_on_two_ranks_is_repeatable(data_bin, spread_set):
+    """--sampling with a seed on 2 ranks: every sentence once, and the same samples in a second run (one process
+    draws in another order, so its samples differ)."""
+    runs = [generate(data_bin, spread_set, 2, "--sampling", "--beam", "1", "--nbest", "1", "--seed", "7")
+            for _ in range(2)]
+    assert all(out.returncode == 0 for out in runs), tail(runs[0].stderr + runs[1].stderr)
+    first, _ = sentences(runs[0].stdout)
+    assert len([key for key in first if key.startswith("H-")]) == 20
+    assert sentences(runs[1].stdout) == sentences(runs[0].stdout)
