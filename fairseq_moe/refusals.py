@@ -119,14 +119,6 @@ REFUSALS = (
             "a causal decoder must not see the future, and incremental decoding sees one token at a time",
             {"flags": {"moe_routing": _first(lambda p: p.mixes_tokens), "moe_decoder_layer_ids": [1], "moe_freq": 2,
                        "decoder_moe_freq": 0}}),
-    *(Refusal(f"LayerDrop in the {side} with spread experts", (f"--{side}-layerdrop",), "build",
-              (lambda side: lambda c: c.spread and bool(c.flag(f"moe_{side}_layer_ids"))
-               and (c.flag(f"{side}_layerdrop", 0) or 0) > 0)(side),
-              f"--{side}-layerdrop cannot be used with the experts spread over ranks (the ranks would skip "
-              f"different MoE layers and wait for each other)",
-              "each rank draws its own layers to skip; an MoE layer is an all-to-all of every rank",
-              {"spread": True, "flags": {f"moe_{side}_layer_ids": [1], f"{side}_layerdrop": 0.2}})
-      for side in ("encoder", "decoder")),
     Refusal("fp16/bf16 with a flat optimizer state and spread experts", ("--fp16", "--bf16"), "trainer",
             lambda c: c.spread and bool(c.flag("fp16", False) or c.flag("bf16", False)) and not (
                 c.flag("memory_efficient_fp16", False) or c.flag("fp16_no_flatten_grads", False)),

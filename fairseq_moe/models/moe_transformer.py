@@ -11,10 +11,12 @@ from argparse import Namespace
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as checkpoint_utils
+from torch import nn
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase, TransformerModel
 from fairseq.models.transformer import transformer_legacy as dense
+from fairseq.modules import LayerDropModuleList
 from omegaconf import OmegaConf
 
 from fairseq_moe_kernels import backend as kernel_backend
@@ -160,6 +162,29 @@ def _wrap(layer, cfg):
     return layer
 
 
+class UpdateLayerDrop(LayerDropModuleList):
+    """fairseq's LayerDrop list, with the layers to skip drawn from (--seed, update, side) rather than from the
+    global RNG: the same on every rank and for every micro-batch of one update. An MoE layer is an all-to-all of
+    every rank, so one skipped on a rank must be skipped on all; and W ranks then skip what one process with
+    --update-freq W skips (at_update sets the update; finish_moe puts this class in place of fairseq's)."""
+
+    seed, side, update = 1, 0, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.update) * 2 + self.side)
+        keep = torch.rand(len(self), generator=g) > self.p  # [layers]
+        for i, layer in enumerate(nn.ModuleList.__iter__(self)):
+            if not self.training or keep[i]:
+                yield layer
+
+
+def at_update(model, update_num):
+    """Tell the model's LayerDrop lists the update they draw for (the MoE tasks' train_step, every micro-batch)."""
+    for m in model.modules():
+        if isinstance(m, UpdateLayerDrop):
+            m.update = update_num
+
+
 class MoETransformerEncoder(TransformerEncoderBase):
     def forward(self, src_tokens, *args, **kwargs):
         with token_ids(self, src_tokens):  # (hash routing: the source token at each position)
@@ -237,6 +262,10 @@ class MoEModelMixin:
     """What every MoE model adds to its fairseq model class (put it first among the bases)."""
 
     def finish_moe(self, args):
+        for side, name in enumerate(("encoder", "decoder")):
+            layers = getattr(getattr(self, name, None), "layers", None)
+            if isinstance(layers, LayerDropModuleList):
+                layers.__class__, layers.seed, layers.side = UpdateLayerDrop, getattr(args, "seed", 1) or 1, side
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
         self._ddp_params_and_buffers_to_ignore = [n for n, p in self.named_parameters() if getattr(p, "expert", 0)]
         side = "encoder" if args.moe_encoder_layer_ids else "decoder"

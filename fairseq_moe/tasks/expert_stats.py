@@ -24,6 +24,7 @@ from fairseq_moe_layer.options import first_bad, flag_of, setting
 
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
+from ..models.moe_transformer import at_update
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class MoETaskMixin:
         return criterion
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        at_update(model, update_num)  # (LayerDrop: every rank skips the layers drawn for this update)
         out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         if self.load_log is not None and not ignore_grad:
             self.load_log.add(model)  # each micro-batch of --update-freq

@@ -68,6 +68,9 @@ def launched(data_bin, tmp_path_factory):
     (2, ()),
     (2, ("--moe-a2a-overlap-degree", "3", "--moe-score", "sigmoid", "--moe-bias-update-rate", "0.01")),
     (4, ("--moe-a2a-local-size", "2", "--moe-shared-expert-count", "1")),
+    # Every rank skips the same layers. (No momentum: a skipped layer's gradient is None on one process but
+    # zeros after the ranks' all-reduce, and momentum would still move it.)
+    (2, ("--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--momentum", "0")),
 ])
 def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).

@@ -135,17 +135,32 @@ def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
             check_supported(args, spread=True)
 
 
-def test_layerdrop_refused_with_spread_experts(data_bin, tmp_path, monkeypatch):
-    """Each rank draws its own layers to skip: an MoE layer skipped on one rank would leave the others
-    waiting in its all-to-all. On one process LayerDrop is fine."""
-    from fairseq_moe.models import moe_transformer
-    from fairseq_moe_layer.comm import ExpertParallel
+def test_layerdrop_skips_the_layers_drawn_for_the_update(data_bin, tmp_path):
+    """With MoE layers, fairseq's LayerDrop lists draw from (--seed, update, side): every rank (another model
+    built with the same seed) and every micro-batch of one update skip the same layers (an MoE layer is a
+    collective of all ranks); another update draws anew; at eval none is skipped."""
+    from fairseq_moe.models.moe_transformer import UpdateLayerDrop, at_update
 
-    task, model, _, args = build(train_argv(data_bin, tmp_path, "--encoder-layerdrop", "0.5"))
-    spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
-    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
-    with pytest.raises(ValueError, match="--encoder-layerdrop"):
-        task.build_model(args)
+    flags = ("--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--encoder-layers", "6")
+    models = [build(train_argv(data_bin, tmp_path, *flags))[1] for _ in range(2)]
+
+    def kept(layers):  # the indices of the layers one forward runs
+        ran = {id(m) for m in layers}
+        return tuple(i for i, m in enumerate(layers._modules.values()) if id(m) in ran)
+
+    for model in models:
+        assert isinstance(model.encoder.layers, UpdateLayerDrop) and isinstance(model.decoder.layers, UpdateLayerDrop)
+        model.train()
+    drawn = []
+    for update in range(8):
+        for model in models:
+            at_update(model, update)
+        mine = kept(models[0].encoder.layers)
+        assert kept(models[0].encoder.layers) == mine == kept(models[1].encoder.layers)  # micro-batch, rank
+        drawn.append(mine)
+    assert len(set(drawn)) > 1 and any(len(k) < 6 for k in drawn)
+    models[0].eval()
+    assert kept(models[0].encoder.layers) == tuple(range(6))
 
 
 def test_offload_activations_refused(data_bin, tmp_path):
