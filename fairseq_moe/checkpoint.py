@@ -105,16 +105,19 @@ def load_checkpoint_file(path, arg_overrides=None, mmap=False):
         return checkpoint_utils._upgrade_state_dict(state)
 
 
-def load_found(found, arg_overrides=None, want=None, experts=None, mmap=False):
+def load_found(found, arg_overrides=None, want=None, experts=None, mmap=False, optimizer=True):
     """The state of what shards.resolve() found: a single file, or a set assembled (want: the expert
     ranges to read, else all; or a function of the saved {name: E} that gives them). experts: the model's
     {name: E}, checked against the saved layout. A set's shared file goes through fairseq's loader
-    (overrides, upgrades), then the experts go in."""
+    (overrides, upgrades), then the experts go in. mmap: the files stay mapped (only what is used is read);
+    optimizer=False: without the optimizer state (inference)."""
     kind, target, _ = found
     path = target if kind == "file" else shards.shared_path(target)
     if kind == "set" and not os.path.exists(path):
         shards.check_set(target)  # names the missing shared file and what it is for (assemble checks the rest)
-    state = load_checkpoint_file(path, arg_overrides, mmap=mmap and kind == "file")
+    state = load_checkpoint_file(path, arg_overrides, mmap=mmap)
+    if not optimizer:
+        state.pop("last_optimizer_state", None)
     with shards.laid_out(path):
         check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
     if callable(want):
@@ -355,7 +358,8 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
             raise FlagError(str(e)) from None
 
     state = load_found(found, arg_overrides, want=lambda experts: {
-        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]}, mmap=True)
+        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]}, mmap=True,
+        optimizer=False)
     if found[0] == "set":
         return state
     full = {n: t.shape[0] for n, t in state["model"].items() if EXPERT_TENSOR.search(n)}  # a file: every expert

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import zipfile
 import time
 import uuid
 
@@ -182,6 +183,8 @@ def read_file(path, mmap=False, what=None):
         raise MissingCheckpointError(f"{path} is missing: {what}" if what else f"{path}: no such checkpoint file")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): a save that did not finish?")
+    if mmap and not zipfile.is_zipfile(path):
+        mmap = False  # (torch's legacy format cannot be memory-mapped: read whole)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:

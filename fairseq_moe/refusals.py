@@ -119,6 +119,16 @@ REFUSALS = (
             "a causal decoder must not see the future, and incremental decoding sees one token at a time",
             {"flags": {"moe_routing": _first(lambda p: p.mixes_tokens), "moe_decoder_layer_ids": [1], "moe_freq": 2,
                        "decoder_moe_freq": 0}}),
+    Refusal("LayerDrop or --eval-bleu with spread experts and a task that is not an MoE task",
+            ("--encoder-layerdrop", "--decoder-layerdrop", "--eval-bleu", "--task"), "trainer",
+            lambda c: c.spread and not c.moe_task and (bool(getattr(c.task, "eval_bleu", False)) or any(
+                (getattr(getattr(c.model, side, None), f"{side}_layerdrop", 0) or 0) > 0
+                for side in ("encoder", "decoder"))),
+            "--encoder/decoder-layerdrop and --eval-bleu with the experts spread over ranks need --task "
+            "moe_translation or moe_language_modeling: their steps keep the ranks' MoE layers together (the same "
+            "layers skipped, beam searches in lockstep); with another task the ranks would wait for each other",
+            "each MoE layer is an all-to-all of every rank",
+            {"spread": True, "moe_task": False, "task": argparse.Namespace(eval_bleu=True)}),
     Refusal("fp16/bf16 with a flat optimizer state and spread experts", ("--fp16", "--bf16"), "trainer",
             lambda c: c.spread and bool(c.flag("fp16", False) or c.flag("bf16", False)) and not (
                 c.flag("memory_efficient_fp16", False) or c.flag("fp16_no_flatten_grads", False)),

@@ -35,7 +35,7 @@ from . import patches
 from .compat import leave_now, one_rank_of_a_job
 from .errors import FlagError
 
-SENTENCE = re.compile(r"^[A-Z]-(\d+)\t")  # fairseq-generate's per-sentence lines: S-12, T-12, H-12, D-12, P-12 ...
+SENTENCE = re.compile(r"^[A-Z]-(\d+)[\t_]")  # generate's per-sentence lines: S-12, H-12, ..., E-12_3 (steps)
 
 
 def launched_world():
@@ -69,6 +69,8 @@ class SentenceLines(io.TextIOBase):
 
     def __init__(self, passthrough):
         self.passthrough, self.kept, self.partial, self.merged = passthrough, [], "", False
+        self.adds = []  # what the scorer was given here (GatheringScorer)
+        self.all_adds = None  # after merge, on rank 0: those of every rank (elsewhere: this rank's)
 
     def write(self, text):
         lines = (self.partial + text).split("\n")
@@ -84,41 +86,44 @@ class SentenceLines(io.TextIOBase):
         self.passthrough.flush()
 
     def merge(self, steps):
-        """On every rank at once (a collective; the layers' lockstep drained first): rank 0 writes the sentence
-        lines of all ranks, ordered by sentence id (a sentence's lines in the order they were written)."""
+        """The one collective of the world after the generation (every rank calls it once, after the layers'
+        lockstep has drained, whether or not its scorer asks for a score): rank 0 gets every rank's sentence
+        lines and scorer additions, and writes the lines ordered by sentence id (a sentence's lines in the
+        order they were written)."""
         if self.merged:
             return
         self.merged = True
         lockstep.drain_all(steps)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, self.kept)
-        if dist.get_rank() == 0:
-            lines = [line for kept in every for line in kept]
-            lines.sort(key=lambda line: int(SENTENCE.match(line).group(1)))  # (stable)
-            for line in lines:
-                self.passthrough.write(line + "\n")
-            self.passthrough.flush()
+        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((self.kept, self.adds), every, dst=0)
+        if dist.get_rank() != 0:
+            self.all_adds = self.adds
+            return
+        self.all_adds = [pair for _, adds in every for pair in adds]
+        lines = [line for kept, _ in every for line in kept]
+        lines.sort(key=lambda line: int(SENTENCE.match(line).group(1)))  # (stable)
+        for line in lines:
+            self.passthrough.write(line + "\n")
+        self.passthrough.flush()
 
 
 class GatheringScorer:
-    """fairseq's scorer for one rank: what generate adds is kept, and the score is the real scorer's over the
-    additions of every rank (a collective: every rank asks for it at the same point, after its last sentence)."""
+    """fairseq's scorer for one rank: what generate adds is kept (in the SentenceLines), and on rank 0 the score
+    is the real scorer's over the additions of every rank (elsewhere: of this rank's, printed to stderr)."""
 
     def __init__(self, make, out, steps):
-        self.make, self.out, self.steps, self.adds, self.total = make, out, steps, [], None
+        self.make, self.out, self.steps, self.total = make, out, steps, None
         if hasattr(make(), "add_string"):  # (generate calls add_string where the scorer has it)
-            self.add_string = lambda ref, pred: self.adds.append((ref, pred))
+            self.add_string = lambda ref, pred: self.out.adds.append((ref, pred))
 
     def add(self, ref, pred):
-        self.adds.append((ref.tolist(), pred.tolist()))
+        self.out.adds.append((ref.tolist(), pred.tolist()))
 
     def all_ranks(self):
         if self.total is None:
             self.out.merge(self.steps)  # the sentence lines come before the score line
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, self.adds)
             self.total = self.make()
-            for ref, pred in (pair for adds in every for pair in adds):
+            for ref, pred in self.out.all_adds:
                 if isinstance(ref, str):
                     self.total.add_string(ref, pred)
                 else:
@@ -175,7 +180,8 @@ def spread_generate(_main):
         finally:
             dist.destroy_process_group()
         output_file.flush()
-        leave_now(0)  # (the interpreter's teardown is where gloo ranks can abort: compat.leave_together)
+        if os.path.basename(sys.argv[0]) in ("fairseq-generate", "generate.py"):  # (the tool itself, not a program
+            leave_now(0)  # that calls it: the interpreter's teardown is where gloo ranks abort, compat.py)
         return result
 
     return wrapped
@@ -194,6 +200,9 @@ def spread_eval_lm(eval_lm):
         if given.arguments["post_process"] is not None:
             raise FlagError("--post-process cannot be used by fairseq-eval-lm on several ranks (its merged "
                             "subwords change the token count that the ranks' losses are weighted by)")
+        if given.arguments["output_word_probs"] or given.arguments["output_word_stats"]:
+            raise FlagError("--output-word-probs and --output-word-stats cannot be used by fairseq-eval-lm on "
+                            "several ranks (each rank would print its own shard's words); use one process")
         if len(models) > 1:
             raise FlagError("--path with several models cannot be evaluated on several ranks: one at a time")
         module = sys.modules[eval_lm.__module__]
@@ -231,6 +240,9 @@ def shared_input(buffered_read):
             yield from buffered_read(input, buffer_size)
             return
         steps = lockstep.live_ones()
+        if len(steps) > 1:
+            raise FlagError("--path with several models cannot run on several ranks: with the experts spread, "
+                            "translate with one model at a time")
         chunks = buffered_read(input, buffer_size) if dist.get_rank() == 0 else None
         try:
             while True:

@@ -64,9 +64,17 @@ class MoELayer(nn.Module):
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
+        if self.ep is None:
+            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids)
+        self.ep.lockstep.before(self._lockstep_index)  # (in inference, lockstep.py: until every rank calls it)
+        try:
+            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids)
+        except BaseException:
+            self.ep.lockstep.broken = True  # (the peers may be inside this call's all-to-all)
+            raise
+
+    def _forward(self, x, padding_mask, top_k, capacity_factor, token_ids):
         cfg, policy = self.cfg, self.policy
-        if self.ep is not None:  # (in inference, lockstep.py: until every rank of the group calls this layer)
-            self.ep.lockstep.before(self._lockstep_index)
         if policy.slots:
             if top_k is not None or capacity_factor is not None:
                 raise ValueError(f"--moe-routing {cfg.routing} has no top-k and no capacity to set for a call")

@@ -22,11 +22,16 @@ _LIVE = weakref.WeakSet()  # every Lockstep of this process (live_ones)
 
 
 class Lockstep:
+    _made = 0  # Locksteps made in this process (their order: live_ones)
+
     def __init__(self, group):
         self.group = group
         self.layers = []  # the MoE layers of this group, in the order they were built
         self.on = False
+        self.broken = False  # a call of this group failed on this rank: its peers may be inside a collective
         self._serving = False
+        Lockstep._made += 1
+        self.number = Lockstep._made
         _LIVE.add(self)
         if _MADE:
             _MADE[-1].append(self)
@@ -45,8 +50,10 @@ class Lockstep:
             self._serve(lowest)
 
     def drain(self):
-        """This rank is done: serve the others' layers until every rank of the group is done too."""
-        if not self.on:
+        """This rank is done: serve the others' layers until every rank of the group is done too. Not after a
+        call of this group failed here (broken): the peers may be inside that call's all-to-all, where another
+        collective would hang; this rank leaves and its launcher stops the others."""
+        if not self.on or self.broken or not self.layers:
             return
         while (lowest := self._lowest(DONE)) != DONE:
             self._serve(lowest)
@@ -110,5 +117,5 @@ def drain_all(steps):
 
 
 def live_ones():
-    """Every Lockstep of this process (a tool that has loaded one model: its layers')."""
-    return list(_LIVE)
+    """Every Lockstep of this process (a tool that has loaded one model: its layers'), in the order made."""
+    return sorted(_LIVE, key=lambda step: step.number)

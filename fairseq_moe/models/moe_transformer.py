@@ -168,11 +168,14 @@ class UpdateLayerDrop(LayerDropModuleList):
     every rank, so one skipped on a rank must be skipped on all; and W ranks then skip what one process with
     --update-freq W skips (at_update sets the update; finish_moe puts this class in place of fairseq's)."""
 
-    seed, side, update = 1, 0, 0
+    seed, side, update = 1, 0, None  # update None (a task that does not say it): fairseq's own draw
 
     def __iter__(self):
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.update) * 2 + self.side)
-        keep = torch.rand(len(self), generator=g) > self.p  # [layers]
+        if self.update is None:
+            keep = torch.empty(len(self)).uniform_() > self.p
+        else:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.update) * 2 + self.side)
+            keep = torch.rand(len(self), generator=g) > self.p  # [layers]
         for i, layer in enumerate(nn.ModuleList.__iter__(self)):
             if not self.training or keep[i]:
                 yield layer

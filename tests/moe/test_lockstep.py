@@ -48,3 +48,19 @@ def _check(rank, W, routing):
 @pytest.mark.parametrize("W, routing", [(2, "topk"), (4, "topk"), (2, "hash")])
 def test_ranks_with_different_calls_get_what_one_process_computes(W, routing):
     spawn(_check, W, routing)
+
+
+def test_drain_makes_no_collective_without_layers_or_after_a_failed_call():
+    """No layer yet (an error while the model is built) or a failed call of this group here (its peers may be in
+    that call's all-to-all): drain leaves at once, with no collective (none could run here: no process group)."""
+    from fairseq_moe_layer.lockstep import Lockstep, inference
+
+    with pytest.raises(RuntimeError, match="while building"):
+        with inference():
+            Lockstep(None)
+            raise RuntimeError("while building")
+    step = Lockstep(None)
+    step.on = True
+    step.layers.append(object())
+    step.broken = True
+    step.drain()
