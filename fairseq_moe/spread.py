@@ -109,7 +109,7 @@ class SentenceLines(io.TextIOBase):
 
 class GatheringScorer:
     """fairseq's scorer for one rank: what generate adds is kept (in the SentenceLines), and on rank 0 the score
-    is the real scorer's over the additions of every rank (elsewhere: of this rank's, printed to stderr)."""
+    is the real scorer's over the additions of every rank (the other ranks have none to give)."""
 
     def __init__(self, make, out, steps):
         self.make, self.out, self.steps, self.total = make, out, steps, None
@@ -131,10 +131,14 @@ class GatheringScorer:
         return self.total
 
     def result_string(self, *args, **kwargs):
-        return self.all_ranks().result_string(*args, **kwargs)
+        total = self.all_ranks()
+        if dist.get_rank() != 0:  # (its own shard may be empty, where fairseq's scorers divide by zero)
+            return "the score over every rank's sentences is rank 0's"
+        return total.result_string(*args, **kwargs)
 
     def score(self, *args, **kwargs):
-        return self.all_ranks().score(*args, **kwargs)
+        total = self.all_ranks()
+        return total.score(*args, **kwargs) if dist.get_rank() == 0 else math.nan
 
 
 class _NoSeconds(float):
