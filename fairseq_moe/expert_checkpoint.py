@@ -272,6 +272,9 @@ def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_pa
             "data_parallel_size": data_parallel_size, "saved_at": time.time()}
 
 
+EMA_PARTS = ("ema", "ema_fp32_params")  # extra_state entries of fairseq's --store-ema, keyed like the model
+
+
 def split(state, spread, rank, info):
     """Cut a fairseq checkpoint state of one rank into (shared state, this rank's shard).
 
@@ -281,7 +284,13 @@ def split(state, spread, rank, info):
     model = dict(state["model"])
     shard = {"moe_shard": dict(info, rank=rank, slices={k: list(v) for k, v in spread.items()}),
              "model": {k: model.pop(k) for k in spread}, "optimizer": {}}
-    shared = dict(state, model=model, extra_state=dict(state["extra_state"], moe_checkpoint=info))
+    extra = dict(state["extra_state"], moe_checkpoint=info)
+    for part in EMA_PARTS:  # --store-ema: the EMA copy's experts go with the model's
+        if extra.get(part) is not None:
+            ema = dict(extra[part])
+            shard[part] = {k: ema.pop(k) for k in spread if k in ema}
+            extra[part] = ema
+    shared = dict(state, model=model, extra_state=extra)
     opt = state.get("last_optimizer_state")
     if opt is not None:
         per_param = dict(opt["state"])
@@ -371,6 +380,8 @@ def assemble(base, want=None, shared=None):
         shared, shards = read_set(base, shared)
         info = shared["extra_state"]["moe_checkpoint"]
         model = dict(shared["model"])
+        extra = dict(shared["extra_state"])
+        emas = {part: dict(extra[part]) for part in EMA_PARTS if extra.get(part) is not None}
         opt = shared.get("last_optimizer_state")
         per_param = dict(opt["state"]) if opt is not None else None
         for name, E in info["experts"].items():
@@ -379,12 +390,15 @@ def assemble(base, want=None, shared=None):
             for shard in shards:
                 owners.setdefault(shard["moe_shard"]["slices"][name][0], shard)
             model[name] = _cut([(f, s["model"][name]) for f, s in sorted(owners.items())], lo, hi)
+            for part, ema in emas.items():
+                if all(name in s.get(part, {}) for s in owners.values()):
+                    ema[name] = _cut([(f, s[part][name]) for f, s in sorted(owners.items())], lo, hi)
             if per_param is not None and name in info["optimizer_index"]:
                 entries = [(f, s["moe_shard"]["slices"][name][1], s["optimizer"][name])
                            for f, s in sorted(owners.items()) if name in s["optimizer"]]
                 if entries:
                     per_param[info["optimizer_index"][name]] = _cut_optimizer_state(entries, lo, hi)
-        state = dict(shared, model=model)
+        state = dict(shared, model=model, extra_state=dict(extra, **emas))
         if opt is not None:
             state["last_optimizer_state"] = dict(opt, state=per_param)
         return state
@@ -399,8 +413,14 @@ def cut_for_rank(state, spread):
     index = info.get("optimizer_index", {})
     opt = state.get("last_optimizer_state")
     model = dict(state["model"])
+    extra = dict(state.get("extra_state") or {})
+    emas = {part: dict(extra[part]) for part in EMA_PARTS if extra.get(part) is not None}
     per_param = dict(opt["state"]) if opt is not None else None
     for name, (first, count, E) in spread.items():
+        for ema in emas.values():
+            t = ema.get(name)
+            if t is not None and t.shape[0] == E != count:
+                ema[name] = t[first:first + count]
         t = model.get(name)
         if t is not None and t.shape[0] == E != count:
             model[name] = t[first:first + count]
@@ -408,6 +428,8 @@ def cut_for_rank(state, spread):
                 per_param[index[name]] = _cut_optimizer_state([(0, E, per_param[index[name]])],
                                                               first, first + count)
     state = dict(state, model=model)
+    if emas:
+        state["extra_state"] = dict(extra, **emas)
     if opt is not None:
         state["last_optimizer_state"] = dict(opt, state=per_param)
     return state

@@ -142,12 +142,6 @@ REFUSALS = (
             "must all be on disk before older sets are deleted",
             "no rank deletes an old checkpoint before every rank has written the new set",
             {"spread": True, "flags": {"write_checkpoints_asynchronously": True}}),
-    Refusal("an EMA copy with spread experts", ("--store-ema",), "trainer",
-            lambda c: c.spread and bool(c.flag("store_ema", False)),
-            "--store-ema is not supported with experts spread over ranks: the EMA copy would hold only this "
-            "rank's experts",
-            "fairseq's EMA is saved from rank 0",
-            {"spread": True, "flags": {"store_ema": True}}),
     Refusal("fully sharded data parallel with spread experts", ("--ddp-backend",), "trainer",
             lambda c: c.spread and c.flag("ddp_backend") == "fully_sharded",
             "--ddp-backend fully_sharded is not supported with experts spread over ranks",

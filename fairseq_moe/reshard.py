@@ -51,7 +51,7 @@ def _check_state(state, src):
     return experts
 
 
-def reshard(src, out, world_size):
+def reshard(src, out, world_size, ema=False):
     if not out.endswith(".pt"):
         raise ValueError(f"OUT {out}: name the checkpoint NAME.pt")
     if world_size < 1:
@@ -60,6 +60,13 @@ def reshard(src, out, world_size):
     refuse_existing([out] if world_size == 1 else [shards.rank_path(base, r) for r in range(world_size)] + [
         shards.shared_path(base)])
     state = read_any(src)
+    if ema:  # the EMA copy (--store-ema) as the model, for generation: no optimizer state, no second copy
+        extra = state.get("extra_state") or {}
+        if not isinstance(extra.get("ema"), dict):
+            raise ValueError(f"{src} holds no EMA weights (it was trained without --store-ema)")
+        state = {k: v for k, v in state.items() if k != "last_optimizer_state"}
+        state.update(model=dict(extra["ema"]), extra_state={k: v for k, v in extra.items()
+                                                            if k not in shards.EMA_PARTS})
     experts = _check_state(state, src)
     safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
     for E in set(experts.values()):
@@ -86,10 +93,12 @@ def main(argv=None, prog="python -m fairseq_moe.reshard", world_size=None):
     parser.add_argument("output", help="NAME.pt to write")
     if world_size is None:
         parser.add_argument("--world-size", type=int, required=True, help="ranks the output is for")
+    parser.add_argument("--ema", action="store_true", help="write the EMA weights (--store-ema) as the model, "
+                                                           "without optimizer state: for fairseq-generate")
     args = parser.parse_args(argv)
     register_safe_globals()
     try:
-        written = reshard(args.input, args.output, world_size or args.world_size)
+        written = reshard(args.input, args.output, world_size or args.world_size, ema=args.ema)
     except (ValueError, OSError, pickle.UnpicklingError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1

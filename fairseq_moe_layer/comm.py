@@ -35,6 +35,10 @@ class ExpertParallel:
         if self.lockstep is None:
             self.lockstep = Lockstep(self.group)
 
+    def __deepcopy__(self, memo):
+        """A copy of a model (fairseq's --store-ema) shares the process groups: they cannot be copied."""
+        return self
+
     @property
     def first_expert(self):
         return self.ep_rank * self.num_local_experts

@@ -6,6 +6,7 @@ their activation and activation dropout) and makes the other three steps identit
 forward, residual and layer norms stay fairseq's own, so they cannot drift from it.
 """
 import contextlib
+import copy
 
 from torch import nn
 
@@ -27,6 +28,15 @@ class MoEFeedForward(nn.Module):
         self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
         self.token_ids = None  # [B, T] long, set by the encoder/decoder for one forward (routing by token id)
         self.last_aux = None
+
+    def __deepcopy__(self, memo):
+        """A copy (fairseq's --store-ema) without the latest forward's losses: they are not graph leaves, which
+        torch cannot copy (and the copy has run no forward)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = None if key == "last_aux" else copy.deepcopy(value, memo)
+        return new
 
     def forward(self, x):
         mask = self.padding_mask

@@ -71,6 +71,7 @@ def launched(data_bin, tmp_path_factory):
     # Every rank skips the same layers. (No momentum: a skipped layer's gradient is None on one process but
     # zeros after the ranks' all-reduce, and momentum would still move it.)
     (2, ("--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--momentum", "0")),
+    (2, ("--store-ema", "--ema-decay", "0.8", "--ema-fp32")),  # each rank's EMA of its experts, in the set
 ])
 def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).
@@ -94,6 +95,8 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     assert b["extra_state"]["val_loss"] == pytest.approx(a["extra_state"]["val_loss"], rel=1e-5)
     assert_same_params(b["model"], a["model"])
     assert b["model"]["encoder.layers.1.fc1.moe.experts.w1"].shape[0] == 4  # all experts, not rank 0's
+    if "--store-ema" in extra:
+        check_ema(data_bin, tmp_path, one, base, extra, a, b)
     if world_size > 2 or extra:
         return
     # The statistics file counts the tokens of every rank: the same lines as the 1-process run's.
@@ -134,6 +137,34 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     d = shards.assemble(str(tmp_path / "again" / "checkpoint_last"))
     assert [h["num_updates"] for h in d["optimizer_history"]][-2:] == [6, 8]
     assert_same_params(d["model"], torch.load(one / "checkpoint_last.pt", weights_only=True)["model"])
+
+
+def check_ema(data_bin, tmp_path, one, base, extra, a, b):
+    """--store-ema on 2 ranks: the EMA copy (and its fp32 copy) of every expert and shared parameter equals the
+    1-process run's; the set resumes on one process (its EMA experts put back together) and, 4 + 2 updates,
+    equals 6 uninterrupted updates."""
+    for part in ("ema", "ema_fp32_params"):
+        assert b["extra_state"][part]["encoder.layers.1.fc1.moe.experts.w1"].shape[0] == 4
+        assert_same_params(b["extra_state"][part], a["extra_state"][part])
+    resumed = tmp_path / "ema-resumed"
+    run_train(train_argv(data_bin, one, *COMMON, *extra, "--update-freq", "2", "--max-update", "6"))
+    run_train(train_argv(data_bin, resumed, *COMMON, *extra, "--update-freq", "2", "--max-update", "6",
+                         "--restore-file", base + ".pt"))
+    a6 = torch.load(one / "checkpoint_last.pt", weights_only=True)
+    c = torch.load(resumed / "checkpoint_last.pt", weights_only=True)
+    assert [h["num_updates"] for h in c["optimizer_history"]] == [4, 6]
+    for part in ("ema", "ema_fp32_params"):
+        assert_same_params(c["extra_state"][part], a6["extra_state"][part])
+    # The EMA weights of the 2-rank set as a model of their own (reshard --ema), for generation.
+    from fairseq_moe import reshard
+
+    assert reshard.main([base + ".pt", str(tmp_path / "ema.pt"), "--world-size", "1", "--ema"]) == 0
+    e = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert_same_params(e["model"], b["extra_state"]["ema"])
+    assert e.get("last_optimizer_state") is None and "ema" not in e["extra_state"]
+    scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "ema.pt"), "--task",
+                           "moe_translation", "--gen-subset", "test", "--beam", "2", "--cpu"])
+    assert "BLEU" in scorer.result_string()
 
 
 def test_torchrun_environment_on_cpu(monkeypatch):
