@@ -193,3 +193,17 @@ def test_refusals(saved, tmp_path, capsys):
         from .helpers import run_train as train
         train(train_argv(str(saved["mt"]["cfg"]["task"]["data"]), tmp_path / "resume", "--moe-expert-count", str(E),
                          "--restore-file", str(tmp_path / "ok1.pt")))
+
+
+@pytest.mark.slow
+def test_a_converted_model_generates_on_two_ranks_as_on_one_process(saved, data_bin, tmp_path):
+    """A model of the moe branch's 2-rank layout, converted to one file, generates on 2 ranks with its experts
+    spread as on one process (tests/glue/test_spread_generate.py's comparison)."""
+    from .test_spread_generate import assert_same, generate, tail
+
+    write_moe_branch_set(saved["mt"], str(tmp_path / "model"), 2)
+    out = tmp_path / "converted.pt"
+    assert convert_moe_branch.main([str(tmp_path / "model"), str(out)]) == 0
+    one, many = generate(data_bin, out, 1), generate(data_bin, out, 2)
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+    assert_same(one.stdout, many.stdout)
