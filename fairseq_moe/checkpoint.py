@@ -116,8 +116,10 @@ def load_found(found, arg_overrides=None, want=None, experts=None, mmap=False, o
     if kind == "set" and not os.path.exists(path):
         shards.check_set(target)  # names the missing shared file and what it is for (assemble checks the rest)
     state = load_checkpoint_file(path, arg_overrides, mmap=mmap)
-    if not optimizer:
+    if not optimizer:  # (inference: neither the optimizer state nor the EMA copy is read)
         state.pop("last_optimizer_state", None)
+        state["extra_state"] = {k: v for k, v in (state.get("extra_state") or {}).items()
+                                if k not in shards.EMA_PARTS}
     with shards.laid_out(path):
         check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
     if callable(want):
@@ -415,6 +417,7 @@ class LoadForRank:
         # (the model's state-dict names: what a checkpoint holds, also under wrappers that flatten parameters)
         self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
         self.model_cfg, self.log = trainer.cfg.model, trainer.data_parallel_rank == 0
+        self.store_ema = bool(trainer.cfg.ema.store_ema)
 
     def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
         ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
@@ -425,6 +428,10 @@ class LoadForRank:
                 state = shards.cut_for_rank(state, self.spread)
         if not self.reset_dataloader:
             state = shards.rescale_iterator(state, self.world_size, path)
+        extra = state.get("extra_state")
+        if self.store_ema and isinstance(extra, dict) and "ema" not in extra and "model" in state:
+            # fairseq 0.12 seeds a missing EMA from state["model"] after it has deleted it (KeyError): seed it here
+            state["extra_state"] = dict(extra, ema=dict(state["model"]))
         return state
 
 

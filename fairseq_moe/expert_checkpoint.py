@@ -336,6 +336,12 @@ def read_set(base, shared=None):
                 if (first, count) != local_experts(info["experts"][name], W, r):
                     raise CheckpointError(f"{path}: {name} holds experts {first}..{first + count - 1}, not what "
                                           f"rank {r} of {W} holds")
+                for part in EMA_PARTS:  # an EMA copy's experts: all in the shared file (older sets) or per rank
+                    ema = (shared.get("extra_state") or {}).get(part)
+                    if isinstance(ema, dict) and name not in ema and (
+                            name not in shard.get(part, {}) or shard[part][name].shape[0] != count):
+                        raise CheckpointError(f"{path} lacks the {part} of its experts of {name} that "
+                                              f"{shared_file} has for the other parameters")
             shards.append(shard)
         return shared, shards
 
@@ -420,10 +426,10 @@ def cut_for_rank(state, spread):
         for ema in emas.values():
             t = ema.get(name)
             if t is not None and t.shape[0] == E != count:
-                ema[name] = t[first:first + count]
+                ema[name] = t[first:first + count].clone()  # (a view would be saved with all of its storage)
         t = model.get(name)
         if t is not None and t.shape[0] == E != count:
-            model[name] = t[first:first + count]
+            model[name] = t[first:first + count].clone()
             if per_param is not None and index.get(name) in per_param:
                 per_param[index[name]] = _cut_optimizer_state([(0, E, per_param[index[name]])],
                                                               first, first + count)

@@ -112,7 +112,8 @@ def moe_checkpoint(state, weights, model_cfg, path, made_by):
     criterion = cfg.get("criterion")
     if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
         cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
-    extra = {k: v for k, v in (state.get("extra_state") or {}).items() if k != "moe_checkpoint"}
+    extra = {k: v for k, v in (state.get("extra_state") or {}).items()
+             if k != "moe_checkpoint" and k not in shards.EMA_PARTS}  # (a dense EMA fits no MoE model)
     extra[MADE_BY] = made_by
     out = {k: v for k, v in state.items() if k != "last_optimizer_state"}  # (--finetune-from-model: a fresh one)
     out.update(model=weights, cfg=cfg, extra_state=extra, args=None)  # (args would override cfg in fairseq)

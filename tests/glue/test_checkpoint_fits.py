@@ -5,6 +5,7 @@ accepted, and one log line says what changed."""
 import logging
 
 import pytest
+import torch
 
 from fairseq_moe.errors import CheckpointError
 
@@ -66,3 +67,15 @@ def test_the_flag_that_places_the_moe_layers_is_named():
     assert flag_changes(dense_encoder, Namespace(**dict(mt, decoder_moe_freq=1))) == {"--decoder-moe-freq": (2, 1)}
     # An unset expert width is the width of the sides with MoE layers (the dense encoder's 256 is not one).
     assert flag_changes(dense_encoder, Namespace(**dict(mt, decoder_moe_freq=2, moe_expert_ffn_dim=64))) == {}
+
+
+def test_store_ema_resumes_a_checkpoint_saved_without_one(data_bin, tmp_path):
+    """--store-ema switched on at a resume (or a set from before the EMA was kept): the EMA starts from the
+    loaded weights (fairseq 0.12 would read state["model"] after deleting it: KeyError)."""
+    from .helpers import run_train, train_argv
+
+    common = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
+    run_train(train_argv(data_bin, tmp_path, *common, "--max-update", "2"))
+    run_train(train_argv(data_bin, tmp_path, *common, "--max-update", "3", "--store-ema", "--ema-decay", "0.9"))
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == 3 and "ema" in state["extra_state"]

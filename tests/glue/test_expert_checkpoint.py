@@ -305,3 +305,25 @@ def test_files_without_save_times_compare_by_update(tmp_path):
     for updates, wins in ((5, "set"), (9, "file")):
         torch.save(full_state(updates=updates), base + ".pt")
         assert shards.locate(base + ".pt")[0] == wins
+
+
+def test_a_rank_file_without_its_ema_experts_is_refused(tmp_path):
+    """--store-ema: a set whose shared file holds the EMA of the shared parameters but one of whose rank files
+    lacks its experts' EMA (a damaged set) is an error naming that file, not an EMA silently restarted."""
+    from fairseq_moe.errors import CheckpointError
+
+    E, W = 4, 2
+    name = "encoder.layers.1.fc1.moe.experts.w1"
+    model = {name: torch.randn(E, 3, 2), "encoder.norm.weight": torch.randn(3)}
+    state = {"model": model, "extra_state": {"ema": {k: v + 1 for k, v in model.items()}}, "args": None}
+    info = shards.manifest(1, shards.new_save_id(), W, {name: E}, {}, W)
+    base = str(tmp_path / "set")
+    for r in range(W):
+        shared, shard = shards.split(shards.cut_for_rank(state, {name: (2 * r, 2, E)}), {name: (2 * r, 2)}, r, info)
+        if r == 1:
+            del shard["ema"][name]
+        torch.save(shard, shards.rank_path(base, r))
+        if r == 0:
+            torch.save(shared, shards.shared_path(base))
+    with pytest.raises(CheckpointError, match=r"set-rank-1\.pt lacks the ema"):
+        shards.assemble(base)
