@@ -118,8 +118,7 @@ def load_found(found, arg_overrides=None, want=None, experts=None, mmap=False, o
     state = load_checkpoint_file(path, arg_overrides, mmap=mmap)
     if not optimizer:  # (inference: neither the optimizer state nor the EMA copy is read)
         state.pop("last_optimizer_state", None)
-        state["extra_state"] = {k: v for k, v in (state.get("extra_state") or {}).items()
-                                if k not in shards.EMA_PARTS}
+        state["extra_state"] = shards.without_ema(state.get("extra_state"))
     with shards.laid_out(path):
         check_expert_layout(shards.manifest_of(state).get("experts"), experts, path)
     if callable(want):

@@ -273,6 +273,13 @@ def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_pa
 
 
 EMA_PARTS = ("ema", "ema_fp32_params")  # extra_state entries of fairseq's --store-ema, keyed like the model
+MADE_BY = "made_by"  # extra_state key of a checkpoint a tool wrote without optimizer state: what made it
+
+
+def without_ema(extra_state):
+    """extra_state without the EMA copy (for a checkpoint whose model is not the one the EMA followed, or that
+    only generates)."""
+    return {k: v for k, v in (extra_state or {}).items() if k not in EMA_PARTS}
 
 
 def split(state, spread, rank, info):

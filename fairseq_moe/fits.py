@@ -1,13 +1,14 @@
 """Does a checkpoint fit the model it is loaded into? Checked before fairseq loads it (which would stop at a
 size mismatch or a missing key deep in load_state_dict, once per rank), so that the error names the cause:
 the task, the dictionary, the embedding width, the MoE layers and experts, the flags the saved weights need.
-No fairseq import, nor of the models: the flags' names come from the layer's table (moe/config.FLAGS)."""
+No fairseq import, nor of the models: the flags' names come from the layer's settings (options.py)."""
 import argparse
 import logging
 
 from . import expert_checkpoint as shards
 from .errors import CheckpointError
-from fairseq_moe_layer.config import FLAGS, MoEConfig
+from fairseq_moe_layer.config import MoEConfig
+from fairseq_moe_layer.options import dest_of, flag_of, settings
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg
             if saved[name][1:] != mine[name][1:]:
                 raise CheckpointError(f"{path}: its {side} embeddings are {saved[name][1]} wide, this model's "
                                       f"{mine[name][1]} (--{side}-embed-dim {saved[name][1]} as saved)")
-    made_by = (state.get("extra_state") or {}).get("made_by")  # (upcycle.MADE_BY: a tool's, no optimizer state)
+    made_by = (state.get("extra_state") or {}).get(shards.MADE_BY)  # (a tool's file, no optimizer state)
     if made_by and not reset_optimizer:
         raise CheckpointError(f"{path} was {made_by.get('what', 'written by a tool')} and has no optimizer state: "
                               f"train from it with --finetune-from-model {path}")
@@ -85,7 +86,7 @@ STRUCTURAL = {"moe_expert_count", "moe_expert_ffn_dim", "moe_shared_expert_count
               "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_layers", "decoder_layers"}
 EXECUTION = {"moe_kernel_backend", "moe_a2a_local_size", "moe_a2a_overlap_degree"}
 # The model config's names of the layer's flags (--moe-top-k -> moe_top_k), and of the model's own MoE flags.
-LAYER_FLAGS = {flag[2:].replace("-", "_") for flag in FLAGS.values() if flag.startswith("--moe-")} | {
+LAYER_FLAGS = {dest_of(f) for f in settings(MoEConfig) if flag_of(f).startswith("--moe-")} | {
     "moe_top1_expert", "moe_freq", "use_moe_pad_mask"}
 
 

@@ -65,9 +65,8 @@ def reshard(src, out, world_size, ema=False):
         if not isinstance(extra.get("ema"), dict):
             raise ValueError(f"{src} holds no EMA weights (it was trained without --store-ema)")
         state = {k: v for k, v in state.items() if k != "last_optimizer_state"}
-        state.update(model=dict(extra["ema"]), extra_state=dict(
-            {k: v for k, v in extra.items() if k not in shards.EMA_PARTS},
-            made_by={"what": "the EMA weights written by reshard --ema"}))  # (refused as a run to resume)
+        state.update(model=dict(extra["ema"]), extra_state=dict(shards.without_ema(extra), **{
+            shards.MADE_BY: {"what": "the EMA weights written by reshard --ema"}}))  # (not resumed as a run)
     experts = _check_state(state, src)
     safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
     for E in set(experts.values()):

@@ -42,7 +42,6 @@ TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_mo
 TASKS.update({v: v for v in TASKS.values()})
 CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
 CRITERIONS.update({v: v for v in CRITERIONS.values()})
-MADE_BY = "made_by"  # extra_state key of a checkpoint written by a tool without optimizer state: what made it
 _FFN = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<i>\d+)\.fc1\.weight$")
 
 
@@ -101,7 +100,7 @@ def read_dense(path):
 def moe_checkpoint(state, weights, model_cfg, path, made_by):
     """A fairseq checkpoint state (read from path) rewritten as one of our MoE models: these weights, this model
     config (a Namespace: MoE models are argparse models in fairseq 0.12), the task and criterion mapped to the
-    MoE ones (a task without one is refused, naming it), no optimizer state, and extra_state[MADE_BY] =
+    MoE ones (a task without one is refused, naming it), no optimizer state, and extra_state[shards.MADE_BY] =
     made_by ({"what": how it was made, ...}: loading it refuses to resume as if it had an optimizer state)."""
     cfg = dict(state["cfg"], model=Namespace(**model_cfg))
     task = section(cfg, "task", path)
@@ -112,9 +111,9 @@ def moe_checkpoint(state, weights, model_cfg, path, made_by):
     criterion = cfg.get("criterion")
     if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
         cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
-    extra = {k: v for k, v in (state.get("extra_state") or {}).items()
-             if k != "moe_checkpoint" and k not in shards.EMA_PARTS}  # (a dense EMA fits no MoE model)
-    extra[MADE_BY] = made_by
+    extra = {k: v for k, v in shards.without_ema(state.get("extra_state")).items()  # (a dense EMA fits no MoE model)
+             if k != "moe_checkpoint"}
+    extra[shards.MADE_BY] = made_by
     out = {k: v for k, v in state.items() if k != "last_optimizer_state"}  # (--finetune-from-model: a fresh one)
     out.update(model=weights, cfg=cfg, extra_state=extra, args=None)  # (args would override cfg in fairseq)
     return out

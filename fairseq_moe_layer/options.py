@@ -40,6 +40,11 @@ def settings(cls):
     return [f for f in fields(cls) if "help" in f.metadata and "choices" in f.metadata]
 
 
+def dest_of(f):
+    """The argparse dest (and fairseq config key) of a setting's flag: --moe-top-k -> moe_top_k."""
+    return flag_of(f)[2:].replace("-", "_")
+
+
 def flag_of(f):
     """The flag of a setting: its own, or --moe-NAME (the criterion's and task's fields are named moe_...)."""
     name = f.name if f.name.startswith("moe_") else "moe_" + f.name
@@ -78,6 +83,13 @@ def first_bad(cls, obj):
         if why:
             return f, why
     return None
+
+
+def refusal(cls, obj):
+    """The one-line error for the first bad setting of cls in obj ("--flag must be ..., got value"), or None
+    (the criterion's and the task's checks; MoEConfig.validate also names the field)."""
+    failed = first_bad(cls, obj)
+    return None if failed is None else f"{flag_of(failed[0])} {failed[1]}, got {getattr(obj, failed[0].name)!r}"
 
 
 def full_help(f):

@@ -2,14 +2,13 @@
 
 Shared by moe_cross_entropy and moe_label_smoothed_cross_entropy, which add it to their parent's loss.
 """
-import math
 from dataclasses import dataclass
 
 import torch
 from fairseq import metrics
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_moe_layer.options import first_bad, flag_of, setting
+from fairseq_moe_layer.options import refusal, setting
 
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
@@ -40,10 +39,9 @@ class MoELossConfig:
 
 
 def check_moe_loss_config(cfg):
-    failed = first_bad(MoELossConfig, cfg)
-    if failed:
-        f, why = failed
-        raise FlagError(f"{flag_of(f)} {why}, got {getattr(cfg, f.name)}")
+    bad = refusal(MoELossConfig, cfg)
+    if bad:
+        raise FlagError(bad)
 
 
 def add_moe_loss(cfg, model, loss, sample_size, logging_output):

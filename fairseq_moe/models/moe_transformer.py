@@ -24,7 +24,7 @@ from fairseq_moe_kernels import backend as kernel_backend
 from .. import refusals
 from ..errors import FlagError
 from fairseq_moe_layer import MoEConfig
-from fairseq_moe_layer.options import describe, flag_of, full_help, settings
+from fairseq_moe_layer.options import describe, dest_of, flag_of, full_help, settings
 from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
@@ -34,7 +34,7 @@ D = MoEConfig  # its field defaults are the defaults of the layer's flags
 # The layer's flags (argparse dest -> MoEConfig field), from its settings: their defaults are MoEConfig's (D).
 # Not among them (cli=False): the sizes, fairseq's activation flags, and --moe-top-k / --moe-expert-ffn-dim,
 # which are the model's own (below).
-LAYER_FLAGS = {flag_of(f)[2:].replace("-", "_"): f.name for f in settings(MoEConfig) if f.metadata["cli"]}
+LAYER_FLAGS = {dest_of(f): f.name for f in settings(MoEConfig) if f.metadata["cli"]}
 # The model's own flags (where the MoE layers go, how their experts talk) and their defaults.
 # --moe-top-k None: MoEConfig's top_k, unless --moe-top1-expert (the two are checked against each other);
 # --moe-expert-ffn-dim None: the side's ffn dim.
@@ -83,7 +83,7 @@ def add_layer_args(parser):
             parser.add_argument(flag_of(f), action="store_true",
                                 help=full_help(f) + (" (the default)" if f.default else ""))
             if m["negative"]:
-                parser.add_argument(m["negative"], dest=flag_of(f)[2:].replace("-", "_"), action="store_false",
+                parser.add_argument(m["negative"], dest=dest_of(f), action="store_false",
                                     help=f"the opposite of {flag_of(f)}")
             continue
         choices = None if m["choices"] is None else sorted(m["choices"])

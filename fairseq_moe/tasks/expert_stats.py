@@ -20,7 +20,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import utils as dist_utils
 
 from fairseq_moe_layer.lockstep import lockstep
-from fairseq_moe_layer.options import first_bad, flag_of, setting
+from fairseq_moe_layer.options import refusal, setting
 
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
@@ -43,10 +43,9 @@ class ExpertLoadLog:
     (a collective: every rank calls maybe_write at every update) and rank 0 writes the line."""
 
     def __init__(self, path, interval):
-        given = argparse.Namespace(moe_stats_file=path, moe_stats_interval=interval)
-        failed = first_bad(ExpertStatsConfig, given)
-        if failed:
-            raise FlagError(f"{flag_of(failed[0])} {failed[1]}, got {getattr(given, failed[0].name)!r}")
+        bad = refusal(ExpertStatsConfig, argparse.Namespace(moe_stats_file=path, moe_stats_interval=interval))
+        if bad:
+            raise FlagError(bad)
         # Checked now: the first line is written only after --moe-stats-interval updates.
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
