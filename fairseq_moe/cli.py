@@ -10,13 +10,17 @@ import sys
 
 import torch.distributed as dist
 
+from .compat import slurm_step_tasks
 from .errors import CheckpointError, FlagError, SaveError
 
 
 def _rank():
-    """This process's rank: the process group's, or before there is one the launcher's (RANK)."""
+    """This process's rank: the process group's, or before there is one the launcher's (RANK; an srun step's
+    SLURM_PROCID)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
+    if "RANK" not in os.environ and slurm_step_tasks() > 1:
+        return int(os.environ["SLURM_PROCID"])
     return int(os.environ.get("RANK", "0") or 0)
 
 
@@ -28,6 +32,8 @@ def one_line_errors(main):
         except (FlagError, CheckpointError, SaveError) as e:
             if _rank() == 0:
                 print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
+            else:
+                _after_rank0()
             raise SystemExit(1 if isinstance(e, SaveError) else 2) from None
 
     return wrapped
@@ -35,4 +41,16 @@ def one_line_errors(main):
 
 def exit_quietly(parser, message):
     """ArgumentParser.error on a launched rank other than 0: rank 0 prints the same usage error."""
+    _after_rank0()
     parser.exit(2)
+
+
+RANK0_SECONDS = 2.0
+
+
+def _after_rank0():
+    """A silent rank's exit comes RANK0_SECONDS late: a launcher that stops the job when one rank ends (srun
+    --kill-on-bad-exit, torchrun) would otherwise often stop rank 0 before it has printed the line."""
+    import time
+
+    time.sleep(RANK0_SECONDS)

@@ -1,9 +1,10 @@
 """Fixes for the fairseq 0.12 releases this plugin supports, installed by patches.py when fairseq loads
 the plugin (dense models run with the plugin get them too: see the README): the dropped last batch,
-multi-rank resume under torch >= 2.6, NumPy 2, torchrun on CPU, ranks that exit together.
+multi-rank resume under torch >= 2.6, NumPy 2, torchrun and srun on CPU, ranks that exit together.
 """
 
 import os
+import re
 import types
 
 import numpy as np
@@ -74,16 +75,19 @@ TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 
 def torchrun_on_cpu(infer_init_method):
-    """fairseq 0.12 under torchrun (or any launcher that sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
-    RANK) on a machine without CUDA: fairseq keeps its world size of 1 unless --distributed-world-size
-    is given, so N ranks train N independent models into one save folder; and with the flag it divides
-    the rank by torch.cuda.device_count(), 0. Here the ranks join one job of WORLD_SIZE ranks through
-    the environment (env://), each process its own rank. NCCL and PyTorch DDP's device ids need CUDA:
-    without it, --distributed-backend gloo and --ddp-backend legacy_ddp are required, by name."""
+    """fairseq 0.12 under torchrun (or any launcher that sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK; or srun with
+    several tasks: slurm_as_torchrun) on a machine without CUDA: fairseq keeps its world size of 1 unless
+    --distributed-world-size is given, so N ranks train N independent models into one save folder; and with the flag
+    it divides the rank by torch.cuda.device_count(), 0. Here the ranks join one job of WORLD_SIZE ranks through the
+    environment (env://), each process its own rank. NCCL and PyTorch DDP's device ids need CUDA: without it,
+    --distributed-backend gloo and --ddp-backend legacy_ddp are required, by name."""
 
     def wrapped(cfg, force_distributed=False):
+        cpu = torch.cuda.device_count() == 0 and cfg.distributed_init_method is None and not cfg.tpu
+        if cpu:
+            slurm_as_torchrun(cfg.distributed_port)
         launched = all(key in os.environ for key in TORCHRUN_ENV)
-        if not launched or torch.cuda.device_count() > 0 or cfg.distributed_init_method is not None or cfg.tpu:
+        if not launched or not cpu:
             return infer_init_method(cfg, force_distributed)
         world_size = int(os.environ["WORLD_SIZE"])
         if cfg.distributed_world_size not in (1, world_size):
@@ -105,6 +109,44 @@ def torchrun_on_cpu(infer_init_method):
         cfg.distributed_no_spawn = True  # the launcher made the processes
 
     return wrapped
+
+
+def slurm_step_tasks():
+    """The tasks of this srun step (0 outside one: in an sbatch script itself, SLURM_NTASKS is the job's and
+    SLURM_PROCID 0, but there is no step)."""
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0) if "SLURM_PROCID" in os.environ else 0
+
+
+def slurm_as_torchrun(port):
+    """Under srun with several tasks (and no launcher inside the step): the environment torchrun gives a
+    rank, from Slurm's (MASTER_ADDR: the step's first node; MASTER_PORT: --distributed-port, as fairseq's own Slurm
+    rendezvous takes it; WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE: the step's tasks), so the tasks join one
+    job as torchrun's ranks do. fairseq 0.12 reads SLURM_* itself only given --distributed-world-size, and on
+    CPU then divides by the CUDA device count; without this, srun's tasks train independent models into one
+    folder. Slurm's values replace any left in the environment srun copied from the shell (every task would have
+    the same RANK). True when it set them."""
+    import subprocess
+
+    env, tasks = os.environ, slurm_step_tasks()
+    if tasks < 2 or {"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(env):  # (torchrun inside the step)
+        return False
+    if port is None or port <= 0:
+        raise FlagError(f"srun started {tasks} tasks: add --distributed-port P (a free port on the step's first "
+                        f"node, where the tasks meet), as fairseq's Slurm launch needs")
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_STEP_NODELIST"]], check=True,
+                               capture_output=True, text=True).stdout.split()
+    except (OSError, KeyError, subprocess.CalledProcessError) as e:
+        raise FlagError(f"srun started {tasks} tasks but their first node is unknown (scontrol show hostnames "
+                        f"$SLURM_STEP_NODELIST: {e})") from None
+    per_node = []  # SLURM_STEP_TASKS_PER_NODE: "2(x3),1" is 2, 2, 2, 1
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", str(tasks)).split(","):
+        count, times = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part).groups()
+        per_node += [int(count)] * int(times or 1)
+    env.update(MASTER_ADDR=hosts[0], MASTER_PORT=str(port), WORLD_SIZE=str(tasks), RANK=env["SLURM_PROCID"],
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               LOCAL_WORLD_SIZE=str(per_node[int(env.get("SLURM_NODEID", "0"))]))
+    return True
 
 
 def leave_together(distributed_main):
@@ -150,8 +192,7 @@ def one_rank_of_a_job():
     if "fairseq_cli.hydra_train" in sys.modules:
         return False
     env = os.environ
-    return bool({"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(env)) or (
-        "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
+    return bool({"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(env)) or slurm_step_tasks() > 1
 
 
 def leave_now(code):

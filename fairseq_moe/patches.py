@@ -121,11 +121,21 @@ PATCHES = (
     Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True,
           when=lambda: "fairseq_cli.hydra_train" in sys.modules),
     Patch("argparse:ArgumentParser", "error", "fairseq_moe.cli:exit_quietly",
-          "under fairseq_moe.launch every rank parses the same command line: rank 0 alone prints a usage error",
-          when=lambda: os.environ.get("FAIRSEQ_MOE_LAUNCH_RANK", "0") != "0"),
+          "under fairseq_moe.launch, torchrun or srun every rank parses the same command line: rank 0 alone prints "
+          "a usage error", when=lambda: _launched_rank() != 0),
 )
 
 _ABSENT = object()
+
+
+def _launched_rank():
+    """The rank a launcher gave this process (0 outside a launched job)."""
+    from .cli import _rank
+    from .compat import one_rank_of_a_job
+
+    if "FAIRSEQ_MOE_LAUNCH_RANK" in os.environ:
+        return int(os.environ["FAIRSEQ_MOE_LAUNCH_RANK"] or 0)
+    return _rank() if one_rank_of_a_job() else 0
 _originals = {}  # (target, attribute) -> the value apply() replaced (_ABSENT: there was none)
 
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node W $(which fairseq-generate) DATA --user-dir fairseq_moe --path CKPT.pt ...
     python -m fairseq_moe.launch --nproc W -- fairseq-generate DATA --user-dir fairseq_moe --path CKPT.pt ...
+    srun --ntasks W fairseq-generate DATA --user-dir fairseq_moe --path CKPT.pt --distributed-port P ...
 
 fairseq-eval-lm on the ranks of a job (spread_eval_lm): the layers in lockstep, the perplexity of the whole set.
 fairseq-interactive on the ranks of a job (shared_input, rank0_print): rank 0 reads the input and sends each
@@ -32,14 +33,16 @@ import torch.distributed as dist
 from fairseq_moe_layer import lockstep
 
 from . import patches
-from .compat import leave_now, one_rank_of_a_job
+from .compat import leave_now, one_rank_of_a_job, slurm_as_torchrun
 from .errors import FlagError
 
 SENTENCE = re.compile(r"^[A-Z]-(\d+)[\t_]")  # generate's per-sentence lines: S-12, H-12, ..., E-12_3 (steps)
 
 
-def launched_world():
-    """(rank, world size) of a launched job (torchrun, fairseq_moe.launch) with several ranks, else None."""
+def launched_world(port):
+    """(rank, world size) of a launched job (torchrun, fairseq_moe.launch, srun: its tasks meet on port, the
+    --distributed-port) with several ranks, else None."""
+    slurm_as_torchrun(port)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world < 2 or "RANK" not in os.environ or not one_rank_of_a_job():
         return None
@@ -162,7 +165,7 @@ def spread_generate(_main):
     """fairseq_cli.generate._main on every rank of a launched job (see above); elsewhere as it is."""
     @functools.wraps(_main)
     def wrapped(cfg, output_file):
-        job = launched_world()
+        job = launched_world(cfg.distributed_training.distributed_port)
         if job is None or dist.is_initialized():
             return _main(cfg, output_file)
         from fairseq import scoring

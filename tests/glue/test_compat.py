@@ -63,8 +63,8 @@ def test_a_launched_rank_leaves_with_its_exit_code_and_output(code, launched):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK",
-                                                             "SLURM_PROCID")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK") and not k.startswith("SLURM_")}
     if launched:
         env["FAIRSEQ_MOE_LAUNCH_RANK"] = "0"
     out = subprocess.run([sys.executable, "-c", LEAVE, str(code)], capture_output=True, text=True, env=env,
@@ -73,3 +73,42 @@ def test_a_launched_rank_leaves_with_its_exit_code_and_output(code, launched):
     assert out.stdout.startswith("trained") and "atexit ran" in out.stdout, out.stdout
     assert ("RuntimeError: a bug" in out.stderr) == (code == 3), out.stderr[-2000:]
     assert ("after the run" in out.stdout) == (not launched and code == 0), out.stdout
+
+
+SLURM_STEP = {"SLURM_PROCID": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "2", "SLURM_STEP_NUM_TASKS": "5",
+              "SLURM_STEP_NODELIST": "gpu[7-9]", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
+
+
+def test_srun_tasks_get_the_environment_of_torchrun_ranks(monkeypatch, tmp_path):
+    """The fifth task of a 5-task srun step on nodes gpu7-gpu9 (2, 2 and 1 tasks): rank 4 of 5, alone on its
+    node, meeting on the first node at --distributed-port. In an sbatch script itself (SLURM_NTASKS and
+    SLURM_PROCID but no step) nothing is set: that is one process, not a rank. Without the port: one line
+    that names the flag. (scontrol is a stand-in here: tests/glue/test_slurm.py runs a real Slurm.)"""
+    import os
+
+    from fairseq_moe import compat
+    from fairseq_moe.errors import FlagError
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[7-9]" ] && printf "gpu7\\ngpu8\\ngpu9\\n"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for key in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID",
+                "FAIRSEQ_MOE_LAUNCH_RANK"):
+        monkeypatch.setenv(key, "")  # (recorded: what slurm_as_torchrun sets goes at the end of the test)
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RANK", "0")  # left in the shell that ran srun: Slurm's rank wins
+    monkeypatch.setenv("SLURM_NTASKS", "5")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert not compat.slurm_as_torchrun(29500) and not compat.one_rank_of_a_job()  # the sbatch script
+    assert "WORLD_SIZE" not in os.environ and os.environ["RANK"] == "0"
+    for key, value in SLURM_STEP.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(FlagError, match="srun started 5 tasks: add --distributed-port P"):
+        compat.slurm_as_torchrun(-1)
+    assert compat.slurm_as_torchrun(29500) and compat.one_rank_of_a_job()
+    assert {key: os.environ[key] for key in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "MASTER_ADDR": "gpu7", "MASTER_PORT": "29500", "WORLD_SIZE": "5", "RANK": "4", "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1"}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun inside the step: its environment is kept
+    assert not compat.slurm_as_torchrun(29501) and os.environ["MASTER_PORT"] == "29500"
