@@ -13,11 +13,12 @@ trainer.py): see docs/moe_branch.md.
 OUT.pt is a single moe_transformer / moe_transformer_lm checkpoint with every expert (it loads at any world
 size, fairseq-generate and fairseq-eval-lm read it with --user-dir fairseq_moe), its flags mapped: the MoE
 layers where they were (--encoder/--decoder-moe-freq), --moe-expert-count, top-1 or top-2, the second-expert
-policy, gate-probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, the eval
-capacity. The optimizer state is not converted (continue training with --finetune-from-model). What cannot
+policy, gate-probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, NLLB's expert and
+final output masking (--moe-eom, --moe-fom), the capacity
+(training and eval: --moe-capacity-rounding per_choice) and which tokens an expert takes first at capacity
+(--moe-token-priority sentence). The optimizer state is not converted (continue training with --finetune-from-model). What cannot
 be mapped is refused, naming the key: CMR layers, BASE layers, dense "pseudo-MoE" layers of another width,
-NLLB's expert-output masking (moe_eom, moe_fom), FSDP-sharded files, tasks other than translation and
-language modelling. Never overwrites; writes OUT whole or not at all.
+FSDP-sharded files, tasks other than translation and language modelling. Never overwrites; writes OUT whole or not at all.
 """
 import argparse
 import math
@@ -43,9 +44,7 @@ _RANK = re.compile(r"-rank-(\d+)\.pt$")
 UNMAPPABLE = {"moe_cmr": "NLLB's CMR layers (a dense FFN beside the MoE, mixed by a learned sigmoid gate)",
               "base_layers": "BASE layers (balanced assignment, extra layers)",
               "alternate_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
-              "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
-              "moe_eom": "NLLB's expert-output masking (the MoE output scaled by 1 - p at inference)",
-              "moe_fom": "NLLB's final-output masking (the MoE output scaled by 1 - p at inference)"}
+              "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width"}
 
 
 def base_of(prefix):
@@ -215,14 +214,20 @@ def convert(prefix, out):
     policy = "all" if top1 else _field(cfg, "moe_second_expert_policy", str, "sampling", shared_path,
                                        choices=TopK.options["second_expert_policy"].metadata["choices"])
     normalize = _field(cfg, "moe_normalize_gate_prob_before_dropping", bool, False, shared_path) and not top1
+    masking = {key: _field(cfg, key, float, 0.0, shared_path) for key in ("moe_eom", "moe_fom")}  # NLLB's
+    for key, p in masking.items():
+        if not 0 <= p < 1:
+            raise CheckpointError(f"{shared_path}: cfg.model.{key} = {p!r} is not a probability in [0, 1): not "
+                                  f"converted")
     name = "moe_transformer" if "encoder" in sides else "moe_transformer_lm"
     cfg.update(_name=name, arch=name, moe_expert_count=E, moe_freq=0, decoder_moe_freq=freqs["decoder"],
                moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing=TopK.name,
                moe_expert_ffn_dim=None,  # (the moe branch ignores it: an expert is as wide as its side's FFN)
-               moe_capacity_factor=1.0,  # (training capacity: the moe branch's ceil(k * T / E), up to rounding)
+               # the moe branch's capacity: k * ceil(T / E) in training, its tokens queued sentence by sentence
+               moe_capacity_factor=1.0, moe_capacity_rounding="per_choice", moe_token_priority="sentence",
                # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity
                moe_eval_capacity_token_fraction=fraction if fraction > 0 else -1.0,
-               moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize)
+               moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize, **masking)
     if "encoder" in sides:
         cfg["encoder_moe_freq"] = freqs["encoder"]
     converted = moe_checkpoint(state, model, cfg, shared_path, {

@@ -39,8 +39,17 @@ class LayerSettings:
                                metavar="E")
     top_k: int = setting(2, "experts per token (1 = Switch, 2 = GShard)", "--moe-top-k", ge=1, cli=False)
     capacity_factor: float = setting(
-        1.0, "training capacity per expert = ceil(CF * k * T / E); 0 = dropless", ge=0, note="(0 = dropless)",
-        metavar="CF")
+        1.0, "training capacity per expert = ceil(CF * k * T / E) (see --moe-capacity-rounding); 0 = dropless",
+        ge=0, note="(0 = dropless)", metavar="CF")
+    capacity_rounding: str = setting(
+        "total", "how CF x k x T / E assignments round up: once, ceil(CF * k * T / E) (GShard, Tutel), or per "
+                 "choice, k * ceil(CF * T / E) (fairseq's moe branch and NLLB-MoE, whose capacity is "
+                 "2 * ceil(T / E) for top-2, ceil(T / E) for top-1)", choices=("total", "per_choice"))
+    token_priority: str = setting(
+        "position", "at capacity, which tokens an expert takes first (every first choice still goes before any "
+                    "second one): position by position across the sentences of a batch (fairseq's time-major "
+                    "activations: GShard's order), or sentence by sentence (batch-major: fairseq's moe branch and "
+                    "NLLB-MoE)", choices=("position", "sentence"))
     eval_capacity_token_fraction: float = setting(
         0.25, "at validation/generation: ceil(FR * T) per expert; < 0: as training; 0: dropless (tiny archs: 0)",
         le=1, note="(< 0: as training, 0: dropless, else a fraction of the tokens)", metavar="FR")
@@ -69,6 +78,14 @@ class LayerSettings:
         "world_size", "spread experts: divide their gradients by W (W ranks == 1 process) or by sqrt(W x "
                       "replicas) (the moe branch's option)", "--moe-normalize-expert-grad",
         choices=("world_size", "sqrt_world_size"))
+    expert_output_masking: float = setting(
+        0.0, "NLLB-MoE's expert output masking: in training each expert output (one token at one of its experts) is "
+             "zeroed with probability P, not rescaled; at validation and generation every one is scaled by 1 - P",
+        "--moe-eom", ge=0, lt=1, metavar="P")
+    final_output_masking: float = setting(
+        0.0, "NLLB-MoE's final output masking: in training a token's whole MoE output is zeroed with probability P, "
+             "not rescaled; at validation and generation it is scaled by 1 - P", "--moe-fom", ge=0, lt=1,
+        metavar="P")
     shared_experts: int = setting(
         0, "always-on experts beside the routed ones, summed into every token's output (DeepSeekMoE); plain "
            "parameters, replicated (data parallel) when the routed experts are spread", "--moe-shared-expert-count",
@@ -100,6 +117,9 @@ class LayerSettings:
                 bad(name, f"must be {policy.only_top_k} with --moe-routing {self.routing}")
         if not policy.learned_router and self.gate_noise != "none":
             bad("gate_noise", f"has nothing to act on with --moe-routing {self.routing} (no router)")
+        for name in ("expert_output_masking", "final_output_masking"):
+            if policy.slots and getattr(self, name):
+                bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
         if not policy.dropless and not self.capacity_factor > 0:
             bad("capacity_factor", f"must be > 0 with --moe-routing {self.routing} (it has no dropless form)")
         for other in ROUTINGS.values():  # another policy's options keep their defaults
@@ -121,6 +141,8 @@ class LayerSettings:
             return math.ceil(_exact(self.eval_capacity_token_fraction) * num_tokens)
         if self.capacity_factor == 0:
             return None
+        if self.capacity_rounding == "per_choice":
+            return self.top_k * math.ceil(_exact(self.capacity_factor) * num_tokens / self.num_experts)
         return math.ceil(_exact(self.capacity_factor) * self.top_k * num_tokens / self.num_experts)
 
     def to_dict(self):

@@ -106,18 +106,30 @@ class MoELayer(nn.Module):
                          token_ids=token_ids)
         if bias is not None and self.training:
             self._demand = r.demand.detach().float() + (0 if self._demand is None else self._demand)
+        weights = self._masked(r.weights, cfg.expert_output_masking)  # [N] (each expert output: --moe-eom)
         if self.ep is None:
-            y = self.experts.combine(x, r.token_index, r.weights, r.counts, ops)  # [T, d]
+            y = self.experts.combine(x, r.token_index, weights, r.counts, ops)  # [T, d]
         else:
             rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
-            y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, r.weights, T)  # [T, d]
+            y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, weights, T)  # [T, d]
 
         if self.shared is not None:
             y = y + self.shared.all_tokens(x, ops)
+        if cfg.final_output_masking:  # (each token's whole output: --moe-fom)
+            y = y * self._masked(y.new_ones(T, 1), cfg.final_output_masking).to(y.dtype)
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)
         return y.view(shape), aux
+
+    def _masked(self, factors, p):
+        """NLLB-MoE's output masking of what factors scale: in training each is zeroed with probability p (kept as it
+        is otherwise: no 1 / (1 - p)), at evaluation all are scaled by 1 - p, the expected value of training's."""
+        if not p:
+            return factors
+        if not self.training:
+            return factors * (1 - p)
+        return factors * (torch.empty_like(factors).uniform_() > p)
 
     def _apply(self, fn, *args, **kwargs):
         """.to(), .half(), .bfloat16() move the balancing bias but keep it fp32: its steps of

@@ -42,8 +42,10 @@ class MoEFeedForward(nn.Module):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
             mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
-        if self.moe.policy.slots:  # slots mix the tokens of one sentence: groups [B, T, C]
-            y, self.last_aux = self.moe(x.transpose(0, 1), mask)
+        if self.moe.policy.slots or self.moe.cfg.token_priority == "sentence":
+            # Batch-major tokens [B, T, C]: slots mix the tokens of one sentence; the layer queues the tokens for
+            # capacity in the order it is given them (--moe-token-priority sentence)
+            y, self.last_aux = self.moe(x.transpose(0, 1), mask, token_ids=self.token_ids)
             return y.transpose(0, 1)
         ids = None if self.token_ids is None else self.token_ids.t()
         y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)

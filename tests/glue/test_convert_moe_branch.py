@@ -1,7 +1,7 @@
 """python -m fairseq_moe.convert_moe_branch: sets in the layout of fairseq's moe branch (written here by a helper
 from that code's description, docs/moe_branch.md) convert into checkpoints whose outputs equal a plain-loop
 re-implementation of the moe branch's forward on the same weights, for a translation model and an LM, top-1
-and top-2, 1, 2 and 4 rank files and 8 replicated ones; what cannot be mapped is refused, naming the key."""
+and top-2, 1, 2 and 4 rank files and 8 replicated ones, tokens dropped at capacity, NLLB's output masking; what cannot be mapped is refused, naming the key."""
 import argparse
 import math
 import os
@@ -76,13 +76,14 @@ def write_moe_branch_set(ours, prefix, ranks, top1=False, **cfg_changes):
 
 
 class PlainMoE(nn.Module):
-    """The moe branch's MOELayer at eval (docs/moe_branch.md, section 6), one token at a time: tokens in
-    batch-major order, capacity ceil(fraction * S), first choices queued before second ones, top-2 weights
-    renormalised over the kept choices, top-1 the raw probability, FFN_e = fc2(relu(fc1(x)))."""
+    """The moe branch's MOELayer at eval (docs/moe_branch.md, section 3), one token at a time: tokens in
+    batch-major order, capacity ceil(fraction * S) for a fraction > 0, else the training capacity 2 * ceil(S / E)
+    (top-2) or ceil(S / E) (top-1), first choices queued before second ones, top-2 weights renormalised over the
+    kept choices, top-1 the raw probability, FFN_e = fc2(relu(fc1(x)))."""
 
-    def __init__(self, weights, layer, top1, fraction):
+    def __init__(self, weights, layer, top1, fraction, eom=0.0, fom=0.0):
         super().__init__()
-        self.w, self.layer, self.top1, self.fraction = weights, layer, top1, fraction
+        self.w, self.layer, self.top1, self.fraction, self.eom, self.fom = weights, layer, top1, fraction, eom, fom
 
     def forward(self, x):  # [T, B, C] -> [T, B, C]
         T, B, C = x.shape
@@ -90,7 +91,7 @@ class PlainMoE(nn.Module):
         S = tokens.shape[0]
         w = self.w
         probs = torch.softmax(tokens.float() @ w[f"{self.layer}.moe_layer.gate.wg.weight"].float().t(), dim=-1)
-        capacity = math.ceil(self.fraction * S)
+        capacity = math.ceil(self.fraction * S) if self.fraction > 0 else (1 if self.top1 else 2) * math.ceil(S / E)
         first = probs.argmax(-1).tolist()
         second = probs.scatter(1, probs.argmax(-1, keepdim=True), -1.0).argmax(-1).tolist()
         count = [0] * E
@@ -112,7 +113,8 @@ class PlainMoE(nn.Module):
                 if g:
                     p = f"{self.layer}.moe_layer.experts.{e}."
                     h = torch.relu(tokens[s] @ w[p + "fc1.weight"].t() + w[p + "fc1.bias"])
-                    out[s] += g * (h @ w[p + "fc2.weight"].t() + w[p + "fc2.bias"])
+                    out[s] += g * ((h @ w[p + "fc2.weight"].t() + w[p + "fc2.bias"]) * (1 - self.eom))
+            out[s] = out[s] * (1 - self.fom)  # (NLLB: each expert output, then the layer's, at eval)
         return out.view(B, T, C).transpose(0, 1)
 
 
@@ -126,7 +128,8 @@ def reference_model(weights, cfg, top1):
     model.load_state_dict({k: v for k, v in weights.items() if ".moe_layer." not in k}, strict=False)
     for name in moe_layers:
         layer = model.get_submodule(name)
-        layer.fc1 = PlainMoE(weights, name, top1, cfg["model"].moe_eval_capacity_token_fraction)
+        layer.fc1 = PlainMoE(weights, name, top1, cfg["model"].moe_eval_capacity_token_fraction,
+                             getattr(cfg["model"], "moe_eom", 0.0), getattr(cfg["model"], "moe_fom", 0.0))
         layer.fc2, layer.activation_dropout_module = nn.Identity(), nn.Identity()
         layer.activation_fn = lambda t: t
     return model, task
@@ -143,16 +146,25 @@ def forward(model, task):
         return model(x)[0]
 
 
-@pytest.mark.parametrize("kind, ranks, top1", [("mt", 1, False), ("mt", 2, True), ("mt", 8, False),
-                                               ("lm", 4, False), ("lm", 2, True)])
-def test_converted_model_computes_what_the_moe_branch_computed(saved, tmp_path, kind, ranks, top1):
-    weights, cfg = write_moe_branch_set(saved[kind], str(tmp_path / "model"), ranks, top1)
+# fraction 1.0: nothing dropped; 0.25 and -1.0 (the training capacity) drop tokens of the 3 sentences of forward():
+# which ones depends on the order they queue in (sentence by sentence) and on the capacity's rounding.
+@pytest.mark.parametrize("fraction", [1.0, 0.25, -1.0])
+@pytest.mark.parametrize("kind, ranks, top1, masking", [
+    ("mt", 1, False, {}), ("mt", 2, True, {}), ("mt", 8, False, {}), ("lm", 4, False, {}), ("lm", 2, True, {}),
+    ("mt", 2, False, dict(moe_eom=0.2, moe_fom=0.1))])  # NLLB-MoE's expert and final output masking (1 - p at eval)
+def test_converted_model_computes_what_the_moe_branch_computed(saved, tmp_path, kind, ranks, top1, masking, fraction):
+    weights, cfg = write_moe_branch_set(saved[kind], str(tmp_path / "model"), ranks, top1,
+                                        moe_eval_capacity_token_fraction=fraction, **masking)
     out = tmp_path / "converted.pt"
     assert convert_moe_branch.main([str(tmp_path / "model"), str(out)]) == 0
     (ours,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(out)])
     reference, _ = reference_model(weights, cfg, top1)
     assert any(".fc1.moe.experts." in k for k in ours.state_dict())
     torch.testing.assert_close(forward(ours.eval(), task), forward(reference, task), rtol=1e-5, atol=1e-5)
+    if fraction < 1:  # tokens were dropped: without the capacity, the outputs differ
+        dropless, _ = reference_model(weights, dict(cfg, model=argparse.Namespace(
+            **dict(vars(cfg["model"]), moe_eval_capacity_token_fraction=1.0))), top1)
+        assert not torch.allclose(forward(dropless, task), forward(reference, task), rtol=1e-3, atol=1e-3)
     state = torch.load(out, weights_only=True)
     assert "last_optimizer_state" not in state and state["cfg"]["model"].moe_top_k == (1 if top1 else 2)
 
@@ -163,7 +175,7 @@ def test_refusals(saved, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("python -m fairseq_moe.convert_moe_branch: error:") and match in err, err
 
-    cases = {"cmr": dict(moe_cmr=True), "eom": dict(moe_eom=0.2), "base": dict(base_layers=1)}
+    cases = {"cmr": dict(moe_cmr=True), "base": dict(base_layers=1)}
     for name, change in cases.items():
         write_moe_branch_set(saved["mt"], str(tmp_path / name), 2, **change)
         fails(tmp_path / name, f"cfg.model.{next(iter(change))}")
@@ -177,11 +189,12 @@ def test_refusals(saved, tmp_path, capsys):
     fails(tmp_path / "odd", "encoder.layers.1.moe_layer.gate.wg.bias")
     loose = {"top1": dict(moe_top1_expert="False"), "fraction": dict(moe_eval_capacity_token_fraction="0.5"),
              "policy": dict(moe_second_expert_policy=None), "junk": dict(moe_second_expert_policy="samplng"),
-             "normalize": dict(moe_normalize_gate_prob_before_dropping="yes")}
+             "normalize": dict(moe_normalize_gate_prob_before_dropping="yes"), "eom": dict(moe_eom="0.2"),
+             "fom": dict(moe_fom=1.5)}
     for name, change in loose.items():  # typed as the moe branch types them, or refused by name
         write_moe_branch_set(saved["mt"], str(tmp_path / name), 2, **change)
         key, value = next(iter(change.items()))
-        fails(tmp_path / name, f"cfg.model.{key} = {value!r} is not ")
+        fails(tmp_path / name, f"cfg.model.{key} = {value!r} is not ")  # (a number, a probability in [0, 1))
     assert not [n for n in os.listdir(tmp_path) if n.startswith("x")]  # nothing written
     write_moe_branch_set(saved["mt"], str(tmp_path / "three"), 2, moe_expert_count=3)
     fails(tmp_path / "three", "moe_expert_count 3")

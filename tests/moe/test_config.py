@@ -1,5 +1,6 @@
 """MoEConfig.validate: every bad value raises ValueError naming the fairseq flag the user typed,
 both from validate() and from MoELayer(cfg); good values pass and validate() returns the config."""
+import dataclasses
 import math
 import re
 
@@ -99,3 +100,16 @@ def test_every_setting_has_a_flag_help_and_a_check():
         wrong = object()  # of no type a setting takes
         with pytest.raises(ValueError, match=re.escape(flag_of(f))):
             MoEConfig(**{**GOOD, f.name: wrong}).validate()
+
+
+def test_capacity_rounds_once_or_per_choice():
+    """9 tokens, 4 experts, top-2, CF 1: ceil(2 * 9 / 4) = 5 (GShard, Tutel); 2 * ceil(9 / 4) = 6 (fairseq's moe
+    branch, NLLB-MoE); also at evaluation with a fraction < 0 (the training capacity), not with one > 0."""
+    cfg = MoEConfig(model_dim=4, ffn_dim=4, num_experts=4, top_k=2, eval_capacity_token_fraction=-1)
+    per_choice = dataclasses.replace(cfg, capacity_rounding="per_choice")
+    assert [cfg.capacity(9, training) for training in (True, False)] == [5, 5]
+    assert [per_choice.capacity(9, training) for training in (True, False)] == [6, 6]
+    assert dataclasses.replace(per_choice, top_k=1).capacity(9, True) == 3
+    assert dataclasses.replace(per_choice, eval_capacity_token_fraction=0.5).capacity(9, False) == 5
+    with pytest.raises(ValueError, match=r"--moe-capacity-rounding \(capacity_rounding\) must be one of"):
+        dataclasses.replace(cfg, capacity_rounding="up").validate()

@@ -194,3 +194,55 @@ def test_moe_package_imports_without_fairseq():
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _contributions(layer, x):
+    """[T, k] expert outputs w_j * FFN_j(x) of each token's choices (top-k, weights renormalised for k >= 2, dropless),
+    token by token."""
+    p = dict(layer.named_parameters())
+    k = layer.cfg.top_k
+    probs = torch.softmax(x.float() @ p["gate.weight"].float().t(), -1)
+    out = torch.zeros(x.shape[0], k, x.shape[1], dtype=x.dtype)
+    for t in range(x.shape[0]):
+        top_p, top_e = probs[t].topk(k)
+        for j in range(k):
+            e = int(top_e[j])
+            h = torch.relu(x[t] @ p["experts.w1"][e] + p["experts.b1"][e])
+            w = top_p[j] if k == 1 else top_p[j] / top_p.sum()
+            out[t, j] = w.to(x.dtype) * (h @ p["experts.w2"][e] + p["experts.b2"][e])
+    return out.detach()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_output_masking_as_nllb(k):
+    """NLLB-MoE's --moe-eom and --moe-fom (fairseq's nllb branch: MOELayer's tok_dropout, the layers' moe_fom). At
+    evaluation every expert output, then every token's output, is scaled by 1 - p. In training each expert output
+    (one token at one of its experts) is kept whole or zeroed with probability p, then each token's whole output
+    the same way; nothing is rescaled."""
+    T, eom, fom = 2000, 0.2, 0.3
+    x = torch.randn(T, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain = make_layer(top_k=k)
+    parts = _contributions(plain, x)  # [T, k, d]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x)[0], parts.sum(1), **TOL[torch.float64])
+        masked = make_layer(top_k=k, expert_output_masking=eom, final_output_masking=fom,
+                            eval_capacity_token_fraction=0.0).eval()
+        # (the weights are fp32: scaled there)
+        torch.testing.assert_close(masked(x)[0], (1 - fom) * (1 - eom) * parts.sum(1), rtol=1e-6, atol=1e-7)
+
+        y = make_layer(top_k=k, expert_output_masking=eom).train()(x)[0]
+        subsets = torch.tensor([[(m >> j) & 1 for j in range(k)] for m in range(2 ** k)], dtype=x.dtype)  # [2^k, k]
+        sums = torch.einsum("mk,tkd->tmd", subsets, parts)  # every sum of kept expert outputs, per token
+        miss = (sums - y[:, None]).abs().amax(-1)  # [T, 2^k]
+        assert (miss.min(1).values < 1e-9).all()  # each token's output: some of its expert outputs, whole
+        kept = subsets.sum(1)[miss.argmin(1)].sum() / (T * k)
+        assert abs(float(kept) - (1 - eom)) < 0.03
+
+        y = make_layer(top_k=k, final_output_masking=fom).train()(x)[0]
+        zero, whole = y.abs().amax(-1) == 0, (y - parts.sum(1)).abs().amax(-1) < 1e-9
+        assert (zero | whole).all() and abs(float(zero.double().mean()) - fom) < 0.03
+
+
+def test_output_masking_has_no_slots_to_mask():
+    with pytest.raises(ValueError, match=r"--moe-eom \(expert_output_masking\) applies to routed tokens"):
+        MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing="soft", expert_output_masking=0.2).validate()
