@@ -31,5 +31,8 @@ setup(
         # package) or, without it, tensorboardX: the small one.
         "tensorboardX",
     ],
-    extras_require={"test": ["pytest>=7", "pytest-xdist>=3"]},
+    # transformers: only to check NLLB-MoE conversions against its NllbMoe (tests/glue/test_nllb_moe.py); 4.57 is
+    # the last series with NllbMoe beside torch 2.13. Never needed to train.
+    extras_require={"test": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.57,<4.58"],
+                    "hf": ["transformers>=4.57,<4.58"]},
 )

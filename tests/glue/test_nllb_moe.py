@@ -1,0 +1,126 @@
+"""NLLB-MoE against an implementation nobody here wrote: Hugging Face transformers' NllbMoeForConditionalGeneration
+(a port of fairseq's nllb branch). A tiny random NllbMoe is written in the layout of fairseq's checkpoints (the
+inverse of transformers' own conversion script, convert_nllb_moe_sharded_original_checkpoint_to_pytorch.py:
+NAME-shared.pt and one NAME-rank-E.pt per expert, as NLLB-MoE 54B ships), converted by convert_moe_branch, and
+the converted model's logits equal transformers' on the same tokens: with nothing dropped, with tokens dropped at
+capacity (sentence by sentence, NLLB's capacity rounding), with expert output masking at eval. Skipped without
+transformers (the test extra installs it)."""
+import argparse
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from fairseq_moe import convert_moe_branch
+
+from .helpers import run_train, train_argv
+
+transformers = pytest.importorskip("transformers")
+
+E = 4
+# transformers' names -> fairseq's (the inverse of rename_fairseq_keys in transformers' conversion script)
+RENAMES = ((".ffn.router.classifier.", ".moe_layer.gate.wg."), (".ffn.fc1.", ".fc1."), (".ffn.fc2.", ".fc2."),
+           (".cross_attention_layer_norm.", ".encoder_attn_layer_norm."), (".cross_attention.", ".encoder_attn."),
+           (".ff_layer_norm.", ".final_layer_norm."))
+
+
+@pytest.fixture(scope="module")
+def fairseq_cfg(data_bin, tmp_path_factory):
+    """A complete fairseq config of a translation model on the toy corpus (ours, 1 update), to edit."""
+    folder = tmp_path_factory.mktemp("cfg")
+    run_train(train_argv(data_bin, folder, "--max-update", "1", "--moe-expert-count", str(E)))
+    return torch.load(folder / "checkpoint_last.pt", weights_only=True)
+
+
+def tiny_nllb_moe(vocab, **changes):
+    """A random NllbMoe of 4 + 4 layers (every second one MoE, 4 experts), eval mode, on the toy vocabulary."""
+    config = transformers.NllbMoeConfig(**{**dict(
+        vocab_size=vocab, d_model=16, encoder_layers=4, decoder_layers=4, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        encoder_attention_heads=2, decoder_attention_heads=2, num_experts=E, encoder_sparse_step=2,
+        decoder_sparse_step=2, expert_capacity=None, moe_eval_capacity_token_fraction=1.0, moe_token_dropout=0.0,
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        activation_function="relu", pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        second_expert_policy="all", router_dtype="float32"), **changes})
+    torch.manual_seed(0)
+    model = transformers.NllbMoeForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (transformers initialises the biases and layer norms to 0 and 1: make them count)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_as_fairseq(hf, ours, prefix, **moe_flags):
+    """hf's weights as fairseq's nllb/moe branch saves them: PREFIX-shared.pt (all but the experts, the routers as
+    LAYER.moe_layer.gate.wg.weight) and PREFIX-rank-E.pt (expert E as LAYER.moe_layer.experts.0), with a
+    transformer's config of the same shape (pre-norm, shared embeddings, sinusoidal positions)."""
+    c = hf.config
+    shared, experts = {}, [{} for _ in range(E)]
+    for key, t in hf.state_dict().items():
+        if key in ("model.shared.weight", "lm_head.weight"):
+            continue
+        key = key.removeprefix("model.")
+        for a, b in RENAMES:
+            key = key.replace(a, b)
+        if ".ffn.experts.expert_" in key:
+            layer, rest = key.split(".ffn.experts.expert_")
+            e, part = rest.split(".", 1)
+            experts[int(e)][f"{layer}.moe_layer.experts.0.{part}"] = t.clone()
+        else:
+            shared[key] = t.clone()
+    shared["decoder.output_projection.weight"] = shared["decoder.embed_tokens.weight"]
+    for side in ("encoder", "decoder"):  # (fairseq saves them; transformers' script drops them)
+        shared[f"{side}.version"] = torch.tensor([3.0])
+    args = dict(vars(ours["cfg"]["model"]))
+    args = {k: v for k, v in args.items() if not k.startswith("moe_")}
+    args.update(
+        _name="transformer", arch="transformer", encoder_embed_dim=c.d_model, decoder_embed_dim=c.d_model,
+        encoder_ffn_embed_dim=c.encoder_ffn_dim, decoder_ffn_embed_dim=c.decoder_ffn_dim, decoder_input_dim=c.d_model,
+        decoder_output_dim=c.d_model,
+        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers,
+        encoder_attention_heads=c.encoder_attention_heads, decoder_attention_heads=c.decoder_attention_heads,
+        encoder_normalize_before=True, decoder_normalize_before=True, share_all_embeddings=True,
+        share_decoder_input_output_embed=True, encoder_learned_pos=False, decoder_learned_pos=False,
+        layernorm_embedding=False, no_scale_embedding=False, activation_fn="relu", dropout=0.0,
+        moe_expert_count=E, moe_freq=c.encoder_sparse_step, moe_top1_expert=False, moe_gating_use_fp32=True,
+        moe_second_expert_policy="all", moe_normalize_gate_prob_before_dropping=False,
+        moe_batch_prioritized_routing=False, use_moe_pad_mask=False, moe_eom=c.moe_token_dropout, moe_fom=0.0,
+        moe_eval_capacity_token_fraction=c.moe_eval_capacity_token_fraction, **moe_flags)
+    cfg = dict(ours["cfg"], model=argparse.Namespace(**args))
+    cfg["task"] = {k: v for k, v in cfg["task"].items() if not k.startswith("moe_")}
+    cfg["task"]["_name"] = "translation"
+    common = {k: v for k, v in ours.items() if k not in ("model", "cfg", "last_optimizer_state")}
+    torch.save(dict(common, model=shared, cfg=cfg), f"{prefix}-shared.pt")
+    for e in range(E):
+        torch.save(dict(common, model=experts[e], cfg=cfg), f"{prefix}-rank-{e}.pt")
+
+
+def logits(hf, ours, src, prev):
+    with torch.no_grad():
+        theirs = hf(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=prev).logits
+        mine = ours(src, torch.full((src.shape[0],), src.shape[1]), prev)[0]
+    return theirs, mine
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # nothing dropped (NLLB's evaluation: fraction 1.0)
+    dict(moe_eval_capacity_token_fraction=0.25),  # ceil(0.25 * T) per expert: tokens dropped, sentence by sentence
+    dict(moe_eval_capacity_token_fraction=-1.0),  # the training capacity, 2 * ceil(T / E): tokens dropped
+    dict(moe_token_dropout=0.2),  # expert output masking: x 0.8 at eval
+])
+def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, data_bin, tmp_path, changes):
+    vocab = fairseq_cfg["model"]["encoder.embed_tokens.weight"].shape[0]
+    hf = tiny_nllb_moe(vocab, **changes)
+    write_as_fairseq(hf, fairseq_cfg, str(tmp_path / "nllb"))
+    out = tmp_path / "converted.pt"
+    assert convert_moe_branch.main([str(tmp_path / "nllb"), str(out)]) == 0
+    (ours,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(out)], arg_overrides={"data": data_bin})
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, vocab, (3, 11), generator=g)
+    prev = torch.cat([torch.full((3, 1), 2), torch.randint(4, vocab, (3, 8), generator=g)], 1)
+    theirs, mine = logits(hf, ours.eval(), src, prev)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    if changes.get("moe_eval_capacity_token_fraction", 1.0) < 1:  # tokens were dropped, and it mattered
+        full, _ = logits(tiny_nllb_moe(vocab, **dict(changes, moe_eval_capacity_token_fraction=1.0)), ours, src, prev)
+        assert not torch.allclose(full, theirs, rtol=1e-3, atol=1e-3)
