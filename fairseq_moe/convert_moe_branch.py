@@ -18,7 +18,8 @@ final output masking (--moe-eom, --moe-fom), the capacity
 (training and eval: --moe-capacity-rounding per_choice) and which tokens an expert takes first at capacity
 (--moe-token-priority sentence). The optimizer state is not converted (continue training with --finetune-from-model). What cannot
 be mapped is refused, naming the key: CMR layers, BASE layers, dense "pseudo-MoE" layers of another width,
-FSDP-sharded files, tasks other than translation and language modelling. Never overwrites; writes OUT whole or not at all.
+FSDP-sharded files, tasks other than translation, translation_multi_simple_epoch (NLLB's: it becomes
+moe_translation_multi_simple_epoch) and language modelling. Never overwrites; writes OUT whole or not at all.
 """
 import argparse
 import math

@@ -38,7 +38,8 @@ from .reshard import run_tool
 
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
-TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling"}
+TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling",
+         "translation_multi_simple_epoch": "moe_translation_multi_simple_epoch"}
 TASKS.update({v: v for v in TASKS.values()})
 CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
 CRITERIONS.update({v: v for v in CRITERIONS.values()})
@@ -105,9 +106,13 @@ def moe_checkpoint(state, weights, model_cfg, path, made_by):
     cfg = dict(state["cfg"], model=Namespace(**model_cfg))
     task = section(cfg, "task", path)
     if task.get("_name") not in TASKS:
+        dense = sorted(set(TASKS) - set(TASKS.values()))
         raise CheckpointError(f"{path}: cfg.task._name = {task.get('_name')!r}; fairseq-moe's MoE tasks are "
-                              f"moe_translation and moe_language_modeling (from translation, language_modeling)")
-    cfg["task"] = dict(task, _name=TASKS[task["_name"]])
+                              f"{', '.join(TASKS[name] for name in dense)} (from {', '.join(dense)})")
+    task["_name"] = TASKS[task["_name"]]
+    if "task" in task:  # (an argparse task's Namespace names itself twice)
+        task["task"] = task["_name"]
+    cfg["task"] = Namespace(**task) if isinstance(cfg["task"], Namespace) else task
     criterion = cfg.get("criterion")
     if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
         cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])

@@ -108,7 +108,8 @@ class MoETaskMixin:
         super().__init__(cfg, *args, **kwargs)
         self.load_log = None
         # Every rank counts and checks the flags (so that all stop together on a bad one); rank 0 writes.
-        if cfg.moe_stats_file:
+        # (getattr: an argparse task's Namespace from a converted checkpoint lacks the flags it never had)
+        if getattr(cfg, "moe_stats_file", None):
             self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
 
     def build_model(self, cfg, from_checkpoint=False):

@@ -5,12 +5,17 @@ import fairseq_moe
 # What fairseq does when it loads the plugin (--user-dir): whatever test module imported fairseq_moe first.
 fairseq_moe.load_plugin()
 
-from .helpers import binarise_toy_corpus, binarise_toy_lm_corpus
+from .helpers import binarise_toy_corpus, binarise_toy_lm_corpus, binarise_toy_multilingual_corpus
 
 
 @pytest.fixture(scope="session")
 def data_bin(tmp_path_factory):
     return binarise_toy_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def ml_data_bin(tmp_path_factory):
+    return binarise_toy_multilingual_corpus(tmp_path_factory.mktemp("ml_corpus"))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,41 @@ def binarise_toy_corpus(folder):
     return str(folder / "bin")
 
 
+ML_PAIRS = "en-xx,en-yy"
+ML_ARGS = ("--task", "moe_translation_multi_simple_epoch", "--lang-pairs", ML_PAIRS, "--langs", "en,xx,yy",
+           "--encoder-langtok", "src", "--decoder-langtok")
+
+
+def binarise_toy_multilingual_corpus(folder, seed=0):
+    """A toy two-direction corpus for translation_multi_simple_epoch: en-xx (reversed, upper-cased) and en-yy (every
+    word doubled), one dictionary for every language; fairseq-preprocess into folder/bin; returns that path."""
+    from fairseq import options
+    from fairseq.data import Dictionary
+    from fairseq_cli import preprocess
+
+    rng = random.Random(seed)
+    words = "a b c d e f g h i j k l m n o p q r s t".split()
+    pairs = {"xx": lambda s: [w.upper() for w in reversed(s)], "yy": lambda s: [w + w for w in s]}
+    joined = Dictionary()
+    for tgt, f in pairs.items():
+        for split, n in (("train", 200), ("valid", 20), ("test", 12)):
+            with open(f"{folder}/{split}.en-{tgt}.en", "w") as fs, open(f"{folder}/{split}.en-{tgt}.{tgt}", "w") as ft:
+                for _ in range(n):
+                    s = [rng.choice(words) for _ in range(rng.randint(2, 9))]
+                    fs.write(" ".join(s) + "\n")
+                    ft.write(" ".join(f(s)) + "\n")
+                    for w in s + f(s):
+                        joined.add_symbol(w)
+    joined.finalize(padding_factor=8)
+    joined.save(f"{folder}/dict.txt")
+    for tgt in pairs:
+        preprocess.main(options.get_preprocessing_parser().parse_args([
+            "--source-lang", "en", "--target-lang", tgt, "--srcdict", f"{folder}/dict.txt", "--tgtdict",
+            f"{folder}/dict.txt", "--workers", "1", "--trainpref", f"{folder}/train.en-{tgt}", "--validpref",
+            f"{folder}/valid.en-{tgt}", "--testpref", f"{folder}/test.en-{tgt}", "--destdir", f"{folder}/bin"]))
+    return str(folder / "bin")
+
+
 def binarise_toy_lm_corpus(folder, seed=0):
     """A toy language (runs of the alphabet from a random letter), fairseq-preprocess'd; -> folder/bin."""
     from fairseq import options

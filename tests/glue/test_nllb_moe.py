@@ -3,7 +3,8 @@
 inverse of transformers' own conversion script, convert_nllb_moe_sharded_original_checkpoint_to_pytorch.py:
 NAME-shared.pt and one NAME-rank-E.pt per expert, as NLLB-MoE 54B ships), converted by convert_moe_branch, and
 the converted model's logits equal transformers' on the same tokens: with nothing dropped, with tokens dropped at
-capacity (sentence by sentence, NLLB's capacity rounding), with expert output masking at eval. Skipped without
+capacity (sentence by sentence, NLLB's capacity rounding), with expert output masking at eval, and with NLLB's
+task (translation_multi_simple_epoch: moe_translation_multi_simple_epoch after the conversion). Skipped without
 transformers (the test extra installs it)."""
 import argparse
 
@@ -13,7 +14,7 @@ from fairseq import checkpoint_utils
 
 from fairseq_moe import convert_moe_branch
 
-from .helpers import run_train, train_argv
+from .helpers import ML_ARGS, run_train, tail, train_argv
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,11 +26,16 @@ RENAMES = ((".ffn.router.classifier.", ".moe_layer.gate.wg."), (".ffn.fc1.", ".f
 
 
 @pytest.fixture(scope="module")
-def fairseq_cfg(data_bin, tmp_path_factory):
-    """A complete fairseq config of a translation model on the toy corpus (ours, 1 update), to edit."""
-    folder = tmp_path_factory.mktemp("cfg")
-    run_train(train_argv(data_bin, folder, "--max-update", "1", "--moe-expert-count", str(E)))
-    return torch.load(folder / "checkpoint_last.pt", weights_only=True)
+def fairseq_cfg(data_bin, ml_data_bin, tmp_path_factory):
+    """{task: (its data, a complete fairseq checkpoint of ours after 1 update, whose config is edited)}: translation
+    on the toy corpus, and translation_multi_simple_epoch (NLLB's task) on the toy two-direction one."""
+    out = {}
+    for task, data, extra in (("translation", data_bin, ()), ("translation_multi_simple_epoch", ml_data_bin,
+                                                               (*ML_ARGS, "--share-all-embeddings"))):
+        folder = tmp_path_factory.mktemp(task)
+        run_train(train_argv(data, folder, "--max-update", "1", "--moe-expert-count", str(E), *extra))
+        out[task] = data, torch.load(folder / "checkpoint_last.pt", weights_only=True)
+    return out
 
 
 def tiny_nllb_moe(vocab, **changes):
@@ -87,8 +93,13 @@ def write_as_fairseq(hf, ours, prefix, **moe_flags):
         moe_batch_prioritized_routing=False, use_moe_pad_mask=False, moe_eom=c.moe_token_dropout, moe_fom=0.0,
         moe_eval_capacity_token_fraction=c.moe_eval_capacity_token_fraction, **moe_flags)
     cfg = dict(ours["cfg"], model=argparse.Namespace(**args))
-    cfg["task"] = {k: v for k, v in cfg["task"].items() if not k.startswith("moe_")}
-    cfg["task"]["_name"] = "translation"
+    task = cfg["task"]
+    legacy = isinstance(task, argparse.Namespace)  # (an argparse task: fairseq keeps its Namespace)
+    task = {k: v for k, v in (vars(task) if legacy else task).items() if not k.startswith("moe_")}
+    task["_name"] = task["_name"].removeprefix("moe_")
+    if legacy:
+        task["task"] = task["_name"]
+    cfg["task"] = argparse.Namespace(**task) if legacy else task
     common = {k: v for k, v in ours.items() if k not in ("model", "cfg", "last_optimizer_state")}
     torch.save(dict(common, model=shared, cfg=cfg), f"{prefix}-shared.pt")
     for e in range(E):
@@ -102,20 +113,24 @@ def logits(hf, ours, src, prev):
     return theirs, mine
 
 
-@pytest.mark.parametrize("changes", [
-    dict(),  # nothing dropped (NLLB's evaluation: fraction 1.0)
-    dict(moe_eval_capacity_token_fraction=0.25),  # ceil(0.25 * T) per expert: tokens dropped, sentence by sentence
-    dict(moe_eval_capacity_token_fraction=-1.0),  # the training capacity, 2 * ceil(T / E): tokens dropped
-    dict(moe_token_dropout=0.2),  # expert output masking: x 0.8 at eval
+@pytest.mark.parametrize("task, changes", [
+    ("translation", dict()),  # nothing dropped (NLLB's evaluation: fraction 1.0)
+    ("translation", dict(moe_eval_capacity_token_fraction=0.25)),  # ceil(0.25 * T) per expert: tokens dropped
+    ("translation", dict(moe_eval_capacity_token_fraction=-1.0)),  # the training capacity, 2 * ceil(T / E)
+    ("translation", dict(moe_token_dropout=0.2)),  # expert output masking: x 0.8 at eval
+    ("translation_multi_simple_epoch", dict(moe_token_dropout=0.2, moe_eval_capacity_token_fraction=0.25)),
 ])
-def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, data_bin, tmp_path, changes):
-    vocab = fairseq_cfg["model"]["encoder.embed_tokens.weight"].shape[0]
+def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, tmp_path, task, changes):
+    data, saved = fairseq_cfg[task]
+    vocab = saved["model"]["encoder.embed_tokens.weight"].shape[0]
     hf = tiny_nllb_moe(vocab, **changes)
-    write_as_fairseq(hf, fairseq_cfg, str(tmp_path / "nllb"))
+    write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
     out = tmp_path / "converted.pt"
     assert convert_moe_branch.main([str(tmp_path / "nllb"), str(out)]) == 0
-    (ours,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(out)], arg_overrides={"data": data_bin})
+    (ours,), _, fairseq_task = checkpoint_utils.load_model_ensemble_and_task([str(out)], arg_overrides={"data": data})
+    assert type(fairseq_task).__name__ == {"translation": "MoETranslationTask",
+                                           "translation_multi_simple_epoch": "MoETranslationMultiSimpleEpochTask"}[task]
+    assert len(fairseq_task.source_dictionary) == vocab
     g = torch.Generator().manual_seed(1)
     src = torch.randint(4, vocab, (3, 11), generator=g)
     prev = torch.cat([torch.full((3, 1), 2), torch.randint(4, vocab, (3, 8), generator=g)], 1)
@@ -124,3 +139,27 @@ def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, d
     if changes.get("moe_eval_capacity_token_fraction", 1.0) < 1:  # tokens were dropped, and it mattered
         full, _ = logits(tiny_nllb_moe(vocab, **dict(changes, moe_eval_capacity_token_fraction=1.0)), ours, src, prev)
         assert not torch.allclose(full, theirs, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_a_converted_multilingual_nllb_moe_generates_on_two_ranks_as_on_one(fairseq_cfg, tmp_path):
+    """fairseq-generate of the converted model with NLLB's task, en -> yy: on 2 ranks (2 experts each, the test
+    sentences split between them) every sentence's lines and the BLEU line are one process's."""
+    from .test_spread_generate import generate, sentences
+
+    data, saved = fairseq_cfg["translation_multi_simple_epoch"]
+    hf = tiny_nllb_moe(saved["model"]["encoder.embed_tokens.weight"].shape[0], moe_token_dropout=0.2)
+    write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
+    assert convert_moe_branch.main([str(tmp_path / "nllb"), str(tmp_path / "converted.pt")]) == 0
+    runs = [generate(data, tmp_path / "converted.pt", W, *ML_ARGS, "--source-lang", "en", "--target-lang", "yy")
+            for W in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, tail(run.stderr)
+    (one, bleu_one), (two, bleu_two) = (sentences(run.stdout) for run in runs)
+    assert len(one) == 5 * 12 and one.keys() == two.keys() and len(bleu_one) == 1 and bleu_one == bleu_two
+    for key in one:
+        if key[0] in "HD":
+            (a, text_a), (b, text_b) = (x.split("\t") for x in (one[key][0], two[key][0]))
+            assert text_a == text_b and float(a) == pytest.approx(float(b), abs=1e-5), key
+        elif key[0] != "P":
+            assert one[key] == two[key], key
