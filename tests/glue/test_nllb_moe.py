@@ -7,6 +7,7 @@ capacity (sentence by sentence, NLLB's capacity rounding), with expert output ma
 task (translation_multi_simple_epoch: moe_translation_multi_simple_epoch after the conversion). Skipped without
 transformers (the test extra installs it)."""
 import argparse
+import json
 
 import pytest
 import torch
@@ -163,3 +164,72 @@ def test_a_converted_multilingual_nllb_moe_generates_on_two_ranks_as_on_one(fair
             assert text_a == text_b and float(a) == pytest.approx(float(b), abs=1e-5), key
         elif key[0] != "P":
             assert one[key] == two[key], key
+
+
+def test_convert_export_convert_is_bit_identical(fairseq_cfg, tmp_path):
+    """transformers' model -> fairseq's layout -> convert_moe_branch -> export_hf -> transformers' model again: the
+    same tensors, bit for bit; and once more through fairseq's layout and the converter: our checkpoint again."""
+    from fairseq_moe import export_hf
+
+    data, saved = fairseq_cfg["translation_multi_simple_epoch"]
+    hf = tiny_nllb_moe(saved["model"]["encoder.embed_tokens.weight"].shape[0], moe_token_dropout=0.2,
+                       moe_eval_capacity_token_fraction=0.25)
+    write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
+    assert convert_moe_branch.main([str(tmp_path / "nllb"), str(tmp_path / "ours.pt")]) == 0
+    assert export_hf.main([str(tmp_path / "ours.pt"), str(tmp_path / "hf"), "--data", data]) == 0
+    again = transformers.NllbMoeForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    a, b = hf.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("num_experts", "encoder_sparse_step", "decoder_sparse_step", "moe_token_dropout",
+                "moe_eval_capacity_token_fraction", "d_model", "encoder_layers", "decoder_ffn_dim", "vocab_size"):
+        assert getattr(again.config, key) == getattr(hf.config, key), key
+    vocab = json.loads((tmp_path / "hf" / "vocab.json").read_text())
+    assert len(vocab) == hf.config.vocab_size and vocab["<pad>"] == 1 and "__xx__" in vocab  # (its language tokens)
+    write_as_fairseq(again, saved, str(tmp_path / "back"))
+    assert convert_moe_branch.main([str(tmp_path / "back"), str(tmp_path / "ours2.pt")]) == 0
+    first, second = (torch.load(tmp_path / name, weights_only=True)["model"] for name in ("ours.pt", "ours2.pt"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+NLLB_LIKE = ("--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
+             "--moe-capacity-rounding", "per_choice", "--moe-token-priority", "sentence", "--moe-eom", "0.1",
+             "--moe-eval-capacity-token-fraction", "0.25", "--moe-freq", "1", "--encoder-layers", "2",
+             "--decoder-layers", "2")
+
+
+def test_an_exported_model_of_ours_computes_in_transformers_what_it_computes_here(data_bin, tmp_path, capsys):
+    """A model trained here with flags NllbMoe can express (2 updates; every layer MoE; tokens dropped at
+    evaluation, sentence by sentence; expert output masking) gives transformers' NllbMoe its logits; what differs
+    in training only is listed."""
+    from fairseq_moe import export_hf
+
+    run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "2", "--moe-expert-count", str(E), *NLLB_LIKE))
+    assert export_hf.main([str(tmp_path / "save" / "checkpoint_last.pt"), str(tmp_path / "hf")]) == 0
+    assert "in training only, NllbMoe differs" not in capsys.readouterr().out  # (CF 1, per_choice, policy all)
+    hf = transformers.NllbMoeForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    (ours,), _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "save" / "checkpoint_last.pt")])
+    g = torch.Generator().manual_seed(2)
+    src = torch.randint(4, hf.config.vocab_size, (3, 13), generator=g)
+    prev = torch.cat([torch.full((3, 1), 2), torch.randint(4, hf.config.vocab_size, (3, 7), generator=g)], 1)
+    theirs, mine = logits(hf, ours.eval(), src, prev)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_what_nllb_moe_cannot_express_is_refused_by_name(data_bin, trained_checkpoint, tmp_path, capsys):
+    """Our tiny model is post-norm: one line naming the flag, nothing written; a folder that exists is not
+    overwritten; a model trained with capacity rounded once names that."""
+    from fairseq_moe import export_hf
+
+    def fails(ckpt, out, match):
+        assert export_hf.main([str(ckpt), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("python -m fairseq_moe.export_hf: error: ") and match in err, err
+        assert len(err.strip().splitlines()) == 1
+
+    fails(trained_checkpoint, tmp_path / "hf", "--encoder-normalize-before is off (post-norm layers): NllbMoe cannot")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+    (tmp_path / "taken").mkdir()
+    fails(trained_checkpoint, tmp_path / "taken", "taken exists")
+    flags = [f for f in NLLB_LIKE if f not in ("--moe-token-priority", "sentence")]
+    run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "1", "--moe-expert-count", str(E), *flags))
+    fails(tmp_path / "save" / "checkpoint_last.pt", tmp_path / "hf", "--moe-token-priority position queues tokens")

@@ -1,0 +1,245 @@
+"""A moe_transformer checkpoint out to Hugging Face transformers' NllbMoe:
+
+    python -m fairseq_moe.export_hf CKPT OUT_DIR [--data DATA]
+
+CKPT: a single file or a set (NAME.pt of NAME-shared.pt + rank files: every expert is read). OUT_DIR (new) gets
+what `NllbMoeForConditionalGeneration.from_pretrained(OUT_DIR)` loads: config.json and model.safetensors, and
+vocab.json, the fairseq dictionary as {symbol: id} (ids as the model's embeddings: specials, words, then the
+language tokens of a multilingual task), read through the checkpoint's task from DATA (default: the task's
+data folder as saved). There is no tokenizer: the ids are fairseq's.
+
+NllbMoe is one architecture: pre-norm layers with a final layer norm on each side, sinusoidal positions, one
+embedding shared by the encoder, the decoder and the output, top-2 routing with a linear fp32 router, every N-th
+layer MoE with every expert as wide as its side's FFN, NLLB's capacity at evaluation (a fraction of the tokens,
+or 2 * ceil(T / E) queued sentence by sentence) and its expert output masking. A checkpoint that computes
+anything else at evaluation is refused, naming the flag, before anything is written. What differs in training
+only (the training capacity, the second expert's sampling, router noise, the loss weights) is listed when the
+export is done: transformers' NllbMoe trains its own way. transformers is an optional dependency
+(pip install 'fairseq-moe[hf]'); nothing else here needs it.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+from argparse import Namespace
+
+from .errors import CheckpointError, FlagError
+from .new_files import refuse_existing
+from .reshard import read_any, run_tool
+
+_MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
+_RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".encoder_attn.", ".cross_attention."),
+            (".final_layer_norm.", ".ff_layer_norm."))
+
+
+def _flags(state, path):
+    model = state.get("cfg", {}).get("model") if isinstance(state.get("cfg"), dict) else None
+    if not isinstance(model, Namespace) or getattr(model, "_name", None) not in ("moe_transformer",) and not str(
+            getattr(model, "arch", "")).startswith("moe_transformer"):
+        raise CheckpointError(f"{path} is not a moe_transformer checkpoint (cfg.model): NllbMoe is an encoder-"
+                              f"decoder; export translation models")
+    if str(getattr(model, "arch", "")).startswith("moe_transformer_lm"):
+        raise CheckpointError(f"{path} is a language model (--arch {model.arch}): NllbMoe is an encoder-decoder")
+    return vars(model)
+
+
+def sparse_step(layers, count, side):
+    """NllbMoe's {side}_sparse_step for MoE layers at these indices of count layers (0: none), or an error."""
+    if not layers:
+        return 0
+    step = layers[0] + 1
+    if layers != [i for i in range(count) if (i + 1) % step == 0]:
+        raise FlagError(f"the {side}'s MoE layers {layers} are not every N-th of {count} layers: NllbMoe's "
+                        f"{side}_sparse_step cannot express them")
+    return step
+
+
+def nllb_config(a, moe_layers, vocab):
+    """NllbMoeConfig's arguments from our model's flags a, or FlagError naming what NllbMoe cannot express at
+    evaluation; and the list of what differs in training only."""
+    def need(ok, flag, why):
+        if not ok:
+            raise FlagError(f"{flag} {why}: NllbMoe cannot express it")
+
+    d = a["encoder_embed_dim"]
+    need(a["decoder_embed_dim"] == d and a.get("decoder_output_dim", d) == d and a.get("decoder_input_dim", d) == d,
+         f"--decoder-embed-dim {a['decoder_embed_dim']}", f"differs from --encoder-embed-dim {d}")
+    for side in ("encoder", "decoder"):
+        need(a.get(f"{side}_normalize_before"), f"--{side}-normalize-before", "is off (post-norm layers)")
+        need(not a.get(f"{side}_learned_pos"), f"--{side}-learned-pos", "is on (NllbMoe: sinusoidal positions)")
+        need(not a.get(f"{side}_layers_to_keep"), f"--{side}-layers-to-keep", "is set")
+    need(a.get("share_all_embeddings"), "--share-all-embeddings", "is off (NllbMoe shares one embedding)")
+    for flag in ("layernorm_embedding", "no_token_positional_embeddings", "cross_self_attention",
+                 "no_decoder_final_norm", "adaptive_input", "tie_adaptive_weights"):
+        need(not a.get(flag), "--" + flag.replace("_", "-"), "is on")
+    need(not a.get("adaptive_softmax_cutoff"), "--adaptive-softmax-cutoff", "is set")
+    need(not (a.get("quant_noise_pq") or a.get("quant_noise_scalar")), "--quant-noise-pq/--quant-noise-scalar",
+         "is set")
+    top_k = 1 if a.get("moe_top1_expert") else a.get("moe_top_k") or 2
+    need(top_k == 2 and a.get("moe_eval_top_k") in (None, 2), f"--moe-top-k {top_k}", "is not 2 (NllbMoe routes "
+         "top-2)")
+    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear")):
+        need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
+    need(a.get("moe_gating_use_fp32", True), "--no-moe-gating-use-fp32", "is set")
+    for flag in ("moe_bias_update_rate", "moe_shared_expert_count", "moe_fom"):
+        need(not a.get(flag), f"--{flag.replace('_', '-')} {a.get(flag)}", "is set")
+    need(a.get("moe_expert_groups", 1) == 1 and a.get("moe_topk_groups") is None, "--moe-expert-groups",
+         "is set")
+    for side in ("encoder", "decoder"):
+        ffn = a.get("moe_expert_ffn_dim")
+        need(ffn in (None, a[f"{side}_ffn_embed_dim"]), f"--moe-expert-ffn-dim {ffn}",
+             f"differs from --{side}-ffn-embed-dim {a[f'{side}_ffn_embed_dim']}")
+    frac, cf, rounding = a.get("moe_eval_capacity_token_fraction", 0.25), a.get("moe_capacity_factor", 1.0), \
+        a.get("moe_capacity_rounding", "total")
+    if frac < 0:  # the training capacity at evaluation: NllbMoe's is 2 * ceil(T / E)
+        need(cf == 1 and rounding == "per_choice", f"--moe-eval-capacity-token-fraction {frac}", "takes the training "
+             f"capacity (--moe-capacity-factor {cf}, --moe-capacity-rounding {rounding}), not 2 * ceil(T / E) "
+             "(--moe-capacity-factor 1 --moe-capacity-rounding per_choice)")
+    drops = frac < 0 or 0 < frac < 1
+    need(not drops or a.get("moe_token_priority", "position") == "sentence",
+         f"--moe-token-priority {a.get('moe_token_priority', 'position')}", "queues tokens position by position "
+         "(NllbMoe: sentence by sentence)")
+    steps = {side: sparse_step(sorted(i for s, i in moe_layers if s == side), a[f"{side}_layers"], side)
+             for side in ("encoder", "decoder")}
+    policy = a.get("moe_second_expert_policy", "all")
+    training = [f"training capacity: this model {'dropless' if cf == 0 else f'CF {cf}, rounded {rounding}'}; "
+                f"NllbMoe 2 * ceil(T / E)"] if (cf, rounding) != (1, "per_choice") else []
+    if policy != "all":
+        training.append(f"second expert: this model draws it ({policy}) in training only; exported as 'all' "
+                        f"(NllbMoe's 'sampling' and 'random' would draw at evaluation too)")
+    if a.get("moe_gate_noise", "none") != "none":
+        training.append(f"router noise {a['moe_gate_noise']}: NllbMoe has none")
+    config = dict(
+        vocab_size=vocab, d_model=d, max_position_embeddings=max(a.get("max_source_positions", 1024),
+                                                                 a.get("max_target_positions", 1024)),
+        encoder_layers=a["encoder_layers"], decoder_layers=a["decoder_layers"],
+        encoder_ffn_dim=a["encoder_ffn_embed_dim"], decoder_ffn_dim=a["decoder_ffn_embed_dim"],
+        encoder_attention_heads=a["encoder_attention_heads"], decoder_attention_heads=a["decoder_attention_heads"],
+        encoder_layerdrop=a.get("encoder_layerdrop", 0.0), decoder_layerdrop=a.get("decoder_layerdrop", 0.0),
+        activation_function=a.get("activation_fn", "relu"), dropout=a.get("dropout", 0.1),
+        attention_dropout=a.get("attention_dropout", 0.0), activation_dropout=a.get("activation_dropout", 0.0),
+        scale_embedding=not a.get("no_scale_embedding"), router_bias=False, router_dtype="float32",
+        router_ignore_padding_tokens=not a.get("use_moe_pad_mask"), num_experts=a["moe_expert_count"],
+        expert_capacity=None, encoder_sparse_step=steps["encoder"], decoder_sparse_step=steps["decoder"],
+        router_z_loss_coef=a.get("moe_z_loss_wt", 0.0), router_aux_loss_coef=a.get("moe_gate_loss_wt", 0.01),
+        second_expert_policy="all",
+        normalize_router_prob_before_dropping=bool(a.get("moe_normalize_gate_prob_before_dropping")),
+        batch_prioritized_routing=bool(a.get("moe_batch_prioritized_routing")),
+        moe_eval_capacity_token_fraction=1.0 if frac == 0 else frac,  # (0: dropless; 1.0 drops nothing either)
+        moe_token_dropout=a.get("moe_eom", 0.0), pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2)
+    return config, training
+
+
+def hf_weights(model):
+    """Our state dict in NllbMoeForConditionalGeneration's names (the experts one per module, their weights
+    transposed: ours are [E, d, f] / [E, f, d], nn.Linear's [out, in])."""
+    out = {}
+    for key, t in model.items():
+        if key.endswith(".version") or key.endswith("_float_tensor") or key == "decoder.output_projection.weight":
+            continue
+        if ".fc1.moe." in key:
+            layer, rest = key.split(".fc1.moe.")
+            if rest == "gate.weight":
+                out[f"model.{layer}.ffn.router.classifier.weight"] = t.float()
+                continue
+            fc, kind = {"experts.w1": ("fc1", "weight"), "experts.b1": ("fc1", "bias"), "experts.w2": ("fc2", "weight"),
+                        "experts.b2": ("fc2", "bias")}[rest]
+            for e in range(t.shape[0]):
+                out[f"model.{layer}.ffn.experts.expert_{e}.{fc}.{kind}"] = (
+                    t[e].t() if kind == "weight" else t[e]).contiguous()
+            continue
+        for a, b in _RENAMES:
+            key = key.replace(a, b)
+        key = re.sub(r"\.layers\.(\d+)\.(fc1|fc2)\.", r".layers.\1.ffn.\2.", key)
+        out["model." + key] = t
+    embed = out["model.encoder.embed_tokens.weight"]
+    out["model.shared.weight"] = embed
+    out["model.decoder.embed_tokens.weight"] = embed
+    out["lm_head.weight"] = embed
+    return out
+
+
+def vocabulary(state, path, data):
+    """[symbol of each id] of the checkpoint's task's source dictionary (its language tokens included)."""
+    from fairseq import tasks
+
+    from .upcycle import section
+
+    task_cfg = section(state["cfg"], "task", path)
+    folder = data or task_cfg.get("data")
+    if not folder or not os.path.isdir(str(folder).split(os.pathsep)[0]):
+        raise FlagError(f"the dictionary is read from the task's data folder ({folder!r} is not one): give "
+                        f"--data DATA")
+    task_cfg["data"] = folder
+    cfg = Namespace(**task_cfg) if isinstance(state["cfg"]["task"], Namespace) else task_cfg
+    if isinstance(cfg, dict):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.create(cfg)
+    task = tasks.setup_task(cfg)
+    d = task.source_dictionary
+    if task.target_dictionary is not None and task.target_dictionary.symbols != d.symbols:
+        raise FlagError(f"{path}: the source and target dictionaries differ: NllbMoe shares one")
+    return list(d.symbols)
+
+
+def export(ckpt, out_dir, data=None):
+    """Write OUT_DIR from CKPT; returns (OUT_DIR, what differs in training)."""
+    try:
+        import transformers
+    except ImportError:
+        raise FlagError("export_hf needs transformers: pip install 'fairseq-moe[hf]'") from None
+    refuse_existing([out_dir], out="OUT_DIR")
+    state = read_any(ckpt)
+    flags = _flags(state, ckpt)
+    model = state["model"]
+    moe_layers = [(m.group(1), int(m.group(2))) for k in model if (m := _MOE.match(k))]
+    vocab = model["encoder.embed_tokens.weight"].shape[0]
+    config, training = nllb_config(flags, moe_layers, vocab)
+    symbols = vocabulary(state, ckpt, data)
+    if len(symbols) != vocab:
+        raise FlagError(f"the task's dictionary has {len(symbols)} symbols, the model's embeddings {vocab} rows: "
+                        f"not this model's data (--data)")
+    hf = transformers.NllbMoeForConditionalGeneration(transformers.NllbMoeConfig(**config))
+    weights = hf_weights(model)
+    theirs = hf.state_dict()
+    if weights.keys() != theirs.keys():
+        raise CheckpointError(f"{ckpt}: parameters NllbMoe does not have: {sorted(weights.keys() - theirs.keys())[:3]}"
+                              f"; NllbMoe's that this model lacks: {sorted(theirs.keys() - weights.keys())[:3]}")
+    hf.load_state_dict({k: v.to(theirs[k].dtype) for k, v in weights.items()}, strict=True)
+    tmp = out_dir.rstrip("/") + ".partial"
+    refuse_existing([tmp], out="OUT_DIR")
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump({s: i for i, s in enumerate(symbols)}, f, ensure_ascii=False, indent=0)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir, training
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_moe.export_hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="CKPT: a moe_transformer checkpoint (a single file, or NAME.pt of a set)")
+    p.add_argument("output", help="OUT_DIR (new): config.json, model.safetensors, vocab.json")
+    p.add_argument("--data", help="the data folder whose dictionary the model was trained with (default: the "
+                                  "checkpoint's task's, as saved)")
+    a = p.parse_args(argv)
+
+    def report(done):
+        out, training = done
+        lines = [f"{out}: NllbMoeForConditionalGeneration.from_pretrained({out!r}) computes this model's evaluation"]
+        lines += [f"  in training only, NllbMoe differs: {line}" for line in training]
+        return "\n".join(lines)
+
+    return run_tool(p.prog, lambda: export(a.checkpoint, a.output, a.data), report)  # (bad input: one line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
