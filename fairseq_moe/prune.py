@@ -1,0 +1,208 @@
+"""Language-specific expert pruning (Koishekenov et al. 2023, "Memory-efficient NLLB-200"): keep, per MoE layer,
+the experts that some language pairs use most, and write a smaller checkpoint whose router chooses among them only.
+
+    python -m fairseq_moe.prune CKPT OUT.pt --data DATA [--lang-pairs en-fr,...] [--subset valid]
+        (--keep F | --keep-mass M) [--multiple-of N]
+
+CKPT: a moe_transformer checkpoint (a single file or a set, read on one process). The model reads --subset of
+DATA (teacher-forced, at evaluation: its eval capacity and top-k), for --lang-pairs only with a multilingual task
+(default: every pair of the task), and each expert's routed weight is added up: the weights its tokens are
+combined with, as `inspect` sees them. Per layer the experts are ranked by that weight and the first n kept:
+--keep F keeps n = ceil(F * E); --keep-mass M the fewest whose weight is at least M of the layer's. Every layer
+keeps the same number (the model has one --moe-expert-count: the largest n of any layer, then rounded up to a
+multiple of --multiple-of, so that N ranks can spread it), each its own experts, in their order. The router's
+rows of the others go with their experts: the pruned model's softmax runs over the kept experts only, which is
+the full model with the others' router logits at -inf. With top-2 (weights renormalised over the chosen pair), a
+token none of whose choices was pruned is computed exactly as before; a top-1 model's weight is the softmax
+probability, which pruning raises. Capacities given as a fraction of the tokens are unchanged; the training
+capacity (and so an eval fraction < 0) scales with 1 / E.
+
+OUT.pt has no optimizer state and no EMA (fine-tune it with --finetune-from-model); the table of what each layer
+kept is printed. Never overwrites.
+"""
+import argparse
+import math
+import sys
+from argparse import Namespace
+
+import torch
+
+from . import expert_checkpoint as shards
+from .errors import FlagError
+from .new_files import refuse_existing, write_new
+from .reshard import read_any, run_tool
+
+
+def routed_weight(model, task, subset, max_tokens):
+    """{MoE layer name: [E] fp64 routed weight} over subset, and the number of sentences read."""
+    from fairseq import utils
+
+    from .inspect import moe_layers, recording
+
+    layers = moe_layers(model)
+    task.load_dataset(subset, combine=False, epoch=1)
+    dataset = task.dataset(subset)
+    itr = task.get_batch_iterator(
+        dataset=dataset, max_tokens=max_tokens, max_positions=utils.resolve_max_positions(
+            task.max_positions(), model.max_positions()), ignore_invalid_inputs=True, seed=1,
+        num_workers=0).next_epoch_itr(shuffle=False)
+    mass = {name: torch.zeros(layer.cfg.num_experts, dtype=torch.float64) for name, layer in layers}
+    sentences = 0
+    with recording(layers) as seen, torch.no_grad():
+        for sample in itr:
+            if not sample:
+                continue
+            model(**sample["net_input"])
+            sentences += sample["nsentences"]
+            for name, calls in seen.items():
+                for _, _, weights, counts in calls:
+                    expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())
+                    mass[name].index_add_(0, expert, weights.double().cpu())
+                calls.clear()
+    if not sentences:
+        raise FlagError(f"--subset {subset} of the data has no sentence to measure expert use on")
+    return mass, sentences
+
+
+def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
+    """(n, {layer: sorted kept expert ids}): each layer's n experts of most routed weight, n from --keep or
+    --keep-mass (the largest over the layers), at least top_k, rounded up to a multiple of multiple_of."""
+    E = next(iter(mass.values())).numel()
+    need = []
+    for name, m in mass.items():
+        if keep is not None:
+            need.append(math.ceil(keep * E))
+        else:
+            share = torch.sort(m, descending=True).values.cumsum(0) / max(float(m.sum()), 1e-300)
+            need.append(int((share < keep_mass - 1e-12).sum()) + 1)
+    n = -(-max(need + [top_k]) // multiple_of) * multiple_of
+    if n > E:
+        raise FlagError(f"--multiple-of {multiple_of}: keeping {max(need + [top_k])} experts per layer, rounded up to "
+                        f"a multiple of {multiple_of}, is more than the model's {E}")
+    kept = {}
+    for name, m in mass.items():
+        order = sorted(range(E), key=lambda e: (-float(m[e]), e))  # (ties: the lower index)
+        kept[name] = sorted(order[:n])
+    return n, kept
+
+
+def pruned_state(state, kept, n, made_by):
+    """state with each MoE layer's experts, router rows and balancing bias cut to kept[layer], E = n."""
+    model = dict(state["model"])
+    for name, ids in kept.items():
+        index = torch.tensor(ids)
+        prefix = f"{name}.moe."
+        for key in [k for k in model if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if rest.startswith("experts.") or rest in ("gate.weight", "routing_bias"):
+                model[key] = model[key].index_select(0, index).clone()
+            elif rest.startswith("gate."):  # (a gate with more than one row per expert: not cut here)
+                raise FlagError(f"{key}: the router of --moe-gate {state['cfg']['model'].moe_gate} keeps state "
+                                f"that this tool does not cut per expert; prune linear-gated models")
+    cfg = dict(state["cfg"])
+    cfg["model"] = Namespace(**dict(vars(cfg["model"]), moe_expert_count=n))
+    extra = {k: v for k, v in shards.without_ema(state.get("extra_state")).items() if k != "moe_checkpoint"}
+    extra[shards.MADE_BY] = made_by
+    out = {k: v for k, v in state.items() if k != "last_optimizer_state"}
+    out.update(model=model, cfg=cfg, extra_state=extra, args=None)
+    return out
+
+
+def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,
+          max_tokens=4000):
+    """Write OUT.pt; returns (n, E, {layer: (kept ids, share of the routed weight kept)})."""
+    from .inspect import load, moe_layers
+
+    if (keep is None) == (keep_mass is None):
+        raise FlagError("give one of --keep F and --keep-mass M")
+    for flag, value in (("--keep", keep), ("--keep-mass", keep_mass)):
+        if value is not None and not 0 < value <= 1:
+            raise FlagError(f"{flag} {value}: a fraction in (0, 1]")
+    if multiple_of < 1:
+        raise FlagError(f"--multiple-of {multiple_of}: must be >= 1")
+    if not out.endswith(".pt"):
+        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
+    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    state = read_any(ckpt)
+    model_cfg = (state.get("cfg") or {}).get("model")
+    if not isinstance(model_cfg, Namespace) or not str(getattr(model_cfg, "arch", "")).startswith("moe_transformer"):
+        raise FlagError(f"{ckpt} is not a moe_transformer checkpoint")
+    overrides = {}
+    task_cfg = state["cfg"].get("task")
+    task_pairs = getattr(task_cfg, "lang_pairs", None) if isinstance(task_cfg, Namespace) else None
+    if isinstance(task_pairs, str):
+        task_pairs = task_pairs.split(",")
+    if lang_pairs:
+        wanted = lang_pairs.split(",")
+        if task_pairs is None:  # a bilingual task: its one pair
+            get = task_cfg.get if isinstance(task_cfg, dict) else lambda k: getattr(task_cfg, k, None)
+            task_pairs = [f"{get('source_lang')}-{get('target_lang')}"]
+            if wanted != task_pairs:
+                raise FlagError(f"--lang-pairs {lang_pairs}: the model's task translates {task_pairs[0]} only")
+        else:
+            missing = [p for p in wanted if p not in task_pairs]
+            if missing:
+                raise FlagError(f"--lang-pairs {lang_pairs}: {missing[0]} is not one of the model's pairs "
+                                f"({','.join(task_pairs)})")
+            overrides["lang_pairs"] = ",".join(wanted)
+    model, task = load(ckpt, data) if not overrides else _load_with(ckpt, data, overrides)
+    top_k = max(layer.cfg.eval_top_k or layer.cfg.top_k for _, layer in moe_layers(model))
+    mass, sentences = routed_weight(model, task, subset, max_tokens)
+    n, kept = choose(mass, keep, keep_mass, multiple_of, top_k)
+    E = next(iter(mass.values())).numel()
+    report = {name: (ids, float(mass[name][ids].sum() / max(float(mass[name].sum()), 1e-300)))
+              for name, ids in kept.items()}
+    pruned = pruned_state(state, kept, n, {
+        "what": f"pruned by fairseq_moe.prune to {n} of {E} experts per layer", "subset": subset,
+        "lang_pairs": lang_pairs or ",".join(task_pairs or []), "sentences": sentences, "kept": kept})
+    write_new(out, lambda save: save(pruned, out))
+    return n, E, report
+
+
+def _load_with(ckpt, data, overrides):
+    """inspect.load with more task overrides (the language pairs)."""
+    from fairseq import checkpoint_utils
+
+    from .inspect import check_data
+
+    found = shards.locate(str(ckpt))
+    path = shards.shared_path(found[1]) if found[0] == "set" else found[1]
+    check_data(path, data)
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=dict(
+        overrides, data=data))
+    return model.eval(), task
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fairseq_moe.prune", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="CKPT: a moe_transformer checkpoint (a single file, or NAME.pt of a set)")
+    p.add_argument("output", help="OUT.pt (new)")
+    p.add_argument("--data", required=True, help="the data-bin to measure expert use on (the model's dictionaries)")
+    p.add_argument("--lang-pairs", help="the pairs to keep experts for, e.g. en-fr,en-de (default: the task's)")
+    p.add_argument("--subset", default="valid", help="the split of DATA to read (default: valid)")
+    p.add_argument("--keep", type=float, help="the fraction of experts to keep per layer, in (0, 1]")
+    p.add_argument("--keep-mass", type=float, help="keep the fewest experts holding this share of the routed "
+                                                   "weight, in (0, 1]")
+    p.add_argument("--multiple-of", type=int, default=1, help="round the kept count up to a multiple of this "
+                                                              "(the world size to spread the pruned model over)")
+    p.add_argument("--max-tokens", type=int, default=4000, help="tokens per batch while measuring")
+    a = p.parse_args(argv)
+    import fairseq  # noqa: F401  (imported first: then importing the plugin registers it with fairseq)
+
+    from . import load_plugin
+
+    load_plugin()
+
+    def report(done):
+        n, E, kept = done
+        lines = [f"{a.output}: {n} of {E} experts per MoE layer (the routed weight they held on {a.subset})"]
+        lines += [f"  {name}: experts {','.join(map(str, ids))} ({100 * share:.1f}%)"
+                  for name, (ids, share) in kept.items()]
+        return "\n".join(lines)
+
+    return run_tool(p.prog, lambda: prune(a.checkpoint, a.output, a.data, a.lang_pairs, a.subset, a.keep,
+                                          a.keep_mass, a.multiple_of, a.max_tokens), report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

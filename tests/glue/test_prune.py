@@ -1,0 +1,109 @@
+"""python -m fairseq_moe.prune: a multilingual MoE model (en-xx, en-yy; 8 experts, top-2) pruned for en-xx keeps, per
+layer, the experts of most routed weight on en-xx, and the pruned model computes what the full model computes
+with the other experts' router logits at -inf; it generates on 1 and on 2 ranks alike; bad input is one line and
+writes nothing."""
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from fairseq_moe import prune
+from fairseq_moe.inspect import moe_layers
+
+from .helpers import ML_ARGS, run_train, tail, train_argv
+
+E = 8
+
+
+@pytest.fixture(scope="module")
+def multilingual(ml_data_bin, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ml")
+    run_train(train_argv(ml_data_bin, folder, *ML_ARGS, "--share-all-embeddings", "--max-update", "4",
+                         "--moe-expert-count", str(E)))
+    return ml_data_bin, folder / "checkpoint_last.pt"
+
+
+def load(path, data, pairs="en-xx"):
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(path)], arg_overrides={"data": data, "lang_pairs": pairs})
+    return model.eval(), task
+
+
+def outputs(model, task):
+    """The decoder's output on the en-xx valid sentences (teacher forcing), batch by batch."""
+    task.load_dataset("valid")
+    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_tokens=400, seed=1).next_epoch_itr(shuffle=False)
+    with torch.no_grad():
+        return [model(**sample["net_input"])[0] for sample in itr]
+
+
+def test_the_pruned_model_is_the_full_one_with_the_others_logits_at_minus_inf(multilingual, tmp_path, capsys):
+    data, full_path = multilingual
+    out = tmp_path / "pruned.pt"
+    assert prune.main([str(full_path), str(out), "--data", data, "--lang-pairs", "en-xx", "--keep", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 of 8 experts per MoE layer" in printed
+    state = torch.load(out, weights_only=True)
+    kept = state["extra_state"]["made_by"]["kept"]
+    assert state["cfg"]["model"].moe_expert_count == 4 and "last_optimizer_state" not in state
+    assert all(len(ids) == 4 for ids in kept.values())
+
+    pruned, task = load(out, data)
+    full, full_task = load(full_path, data)
+    for name, layer in moe_layers(full):
+        gate = layer.gate
+
+        def masked(x, _gate=gate, _drop=[e for e in range(E) if e not in kept[name]]):
+            logits = type(_gate).forward(_gate, x)
+            return logits.index_fill(-1, torch.tensor(_drop), float("-inf"))
+
+        gate.forward = masked  # (the full model, its pruned experts' logits at -inf)
+    for a, b in zip(outputs(pruned, task), outputs(full, full_task)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_experts_hold_the_most_routed_weight():
+    """choose(): per layer the n heaviest experts; --keep-mass: the fewest holding that share, the largest count
+    of any layer, at least top-k, rounded up to --multiple-of."""
+    mass = {"a": torch.tensor([5.0, 0.0, 3.0, 2.0], dtype=torch.float64),
+            "b": torch.tensor([1.0, 1.0, 1.0, 7.0], dtype=torch.float64)}
+    assert prune.choose(mass, keep=0.5) == (2, {"a": [0, 2], "b": [0, 3]})  # (ties: the lower index)
+    assert prune.choose(mass, keep_mass=0.7) == (2, {"a": [0, 2], "b": [0, 3]})  # a: 0.5, 0.8; b: 0.7
+    assert prune.choose(mass, keep_mass=0.8) == (2, {"a": [0, 2], "b": [0, 3]})
+    assert prune.choose(mass, keep_mass=0.81) == (3, {"a": [0, 2, 3], "b": [0, 1, 3]})
+    assert prune.choose(mass, keep=0.25, top_k=2) == (2, {"a": [0, 2], "b": [0, 3]})
+    assert prune.choose(mass, keep=0.5, multiple_of=4)[0] == 4 and prune.choose(mass, keep=0.5, multiple_of=3)[0] == 3
+    with pytest.raises(ValueError, match="--multiple-of 3: keeping 4 experts per layer"):
+        prune.choose(mass, keep=1.0, multiple_of=3)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(multilingual, tmp_path, capsys):
+    data, full_path = multilingual
+    for argv, match in ((["--lang-pairs", "en-zz", "--keep", "0.5"], "en-zz is not one of the model's pairs"),
+                        (["--keep", "1.5"], "--keep 1.5: a fraction in (0, 1]"),
+                        (["--keep", "0.5", "--keep-mass", "0.9"], "give one of --keep F and --keep-mass M"),
+                        (["--keep-mass", "0"], "--keep-mass 0.0: a fraction in (0, 1]")):
+        assert prune.main([str(full_path), str(tmp_path / "out.pt"), "--data", data, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("python -m fairseq_moe.prune: error: ") and match in err, err
+        assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_pruned_model_generates_on_two_ranks_as_on_one(multilingual, tmp_path):
+    from .test_spread_generate import generate, sentences
+
+    data, full_path = multilingual
+    out = tmp_path / "pruned.pt"
+    assert prune.main([str(full_path), str(out), "--data", data, "--lang-pairs", "en-xx", "--keep", "0.5"]) == 0
+    runs = [generate(data, out, W, *ML_ARGS, "--source-lang", "en", "--target-lang", "xx") for W in (1, 2)]
+    for run in runs:
+        assert run.returncode == 0, tail(run.stderr)
+    assert "expert parallel: 2 experts per rank on 2 ranks" in runs[1].stderr
+    (one, bleu_one), (two, bleu_two) = (sentences(run.stdout) for run in runs)
+    assert len(one) == 5 * 12 and bleu_one == bleu_two and len(bleu_one) == 1
+    for key in one:
+        if key[0] in "HD":
+            (a, text_a), (b, text_b) = (x.split("\t") for x in (one[key][0], two[key][0]))
+            assert text_a == text_b and float(a) == pytest.approx(float(b), abs=1e-5), key
+        elif key[0] != "P":
+            assert one[key] == two[key], key
