@@ -16,6 +16,12 @@ their weights; per layer: each expert's share of the file's assignments and its 
 DIR/heatmap-LAYER.png (tokens x experts, the weights, for the first sentence), as new files: one there
 already, or a link, is refused before any work. --layer L keeps one layer (its name, e.g.
 encoder.layers.1.fc1, or its position among the MoE layers, 0-based).
+
+    python -m fairseq_moe.inspect CHECKPOINT --data DATA-BIN --by-lang-pair [--lang-pairs P,...] [--subset test]
+
+A multilingual model (translation_multi_simple_epoch): each expert's share of the routed weight, per MoE layer
+and language pair, over each pair's --subset (teacher-forced, as at evaluation): DIR/expert_use_by_pair.txt
+and DIR/expert_use_by_pair.png (a heat map per layer: do the experts specialise?).
 """
 import argparse
 import contextlib
@@ -29,8 +35,9 @@ from .errors import FlagError
 from .new_files import refuse_existing, write_new
 
 
-def load(checkpoint, data):
-    """(model, task) from a checkpoint (file or set), on CPU, in eval mode."""
+def load(checkpoint, data, overrides=None):
+    """(model, task) from a checkpoint (file or set), on CPU, in eval mode (overrides: of the task's settings,
+    such as a multilingual task's lang_pairs)."""
     from fairseq import checkpoint_utils
 
     from . import expert_checkpoint as shards
@@ -41,7 +48,8 @@ def load(checkpoint, data):
     path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # (fairseq checks that the file exists)
     check_data(path, data)
     try:
-        (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides={"data": data})
+        (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [path], arg_overrides=dict(overrides or {}, data=data))
     except RuntimeError as e:
         if "size mismatch" not in str(e):
             raise
@@ -114,6 +122,64 @@ def recording(layers):
     finally:
         for _, layer in layers:
             del layer.experts.combine  # back to the method
+
+
+def routed_weight(model, task, subset, max_tokens):
+    """{MoE layer name: [E] fp64 routed weight} over subset, and the number of sentences read."""
+    from fairseq import utils
+
+    layers = moe_layers(model)
+    task.load_dataset(subset, combine=False, epoch=1)
+    dataset = task.dataset(subset)
+    itr = task.get_batch_iterator(
+        dataset=dataset, max_tokens=max_tokens, max_positions=utils.resolve_max_positions(
+            task.max_positions(), model.max_positions()), ignore_invalid_inputs=True, seed=1,
+        num_workers=0).next_epoch_itr(shuffle=False)
+    mass = {name: torch.zeros(layer.cfg.num_experts, dtype=torch.float64) for name, layer in layers}
+    sentences = 0
+    with recording(layers) as seen, torch.no_grad():
+        for sample in itr:
+            if not sample:
+                continue
+            model(**sample["net_input"])
+            sentences += sample["nsentences"]
+            for name, calls in seen.items():
+                for _, _, weights, counts in calls:
+                    expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())
+                    mass[name].index_add_(0, expert, weights.double().cpu())
+                calls.clear()
+    if not sentences:
+        raise FlagError(f"--subset {subset} of the data has no sentence to measure expert use on")
+    return mass, sentences
+
+
+def language_pairs(checkpoint):
+    """The language pairs of a checkpoint's multilingual task (translation_multi_simple_epoch), else None."""
+    from . import expert_checkpoint as shards
+
+    found = shards.locate(str(checkpoint))
+    if found is None:
+        raise FlagError(f"{checkpoint}: no such checkpoint (nor the set {shards.set_base(str(checkpoint))}-shared.pt)")
+    state = shards.read_file(shards.shared_path(found[1]) if found[0] == "set" else found[1], mmap=True)
+    pairs = getattr((state.get("cfg") or {}).get("task"), "lang_pairs", None)
+    return pairs.split(",") if isinstance(pairs, str) else list(pairs) if pairs else None
+
+
+def expert_use_by_pair(checkpoint, data, pairs=None, subset="test", max_tokens=4000):
+    """{pair: {MoE layer: [E] share of the layer's routed weight}} of a multilingual model over each pair's subset
+    of data (pairs: default, every pair of its task), one pair at a time."""
+    known = language_pairs(checkpoint)
+    if known is None:
+        raise FlagError(f"{checkpoint}: its task has no language pairs (not translation_multi_simple_epoch)")
+    for pair in pairs or []:
+        if pair not in known:
+            raise FlagError(f"--lang-pairs: {pair} is not one of the model's pairs ({','.join(known)})")
+    use = {}
+    for pair in pairs or known:
+        model, task = load(checkpoint, data, {"lang_pairs": pair})
+        mass, _ = routed_weight(model, task, subset, max_tokens)
+        use[pair] = {name: (m / max(float(m.sum()), 1e-300)).tolist() for name, m in mass.items()}
+    return use
 
 
 def encode(line, dictionary, spm=None):
@@ -228,23 +294,57 @@ def _inspect(model, task, layers, spm, src_dict, lines, targets, out_dir, show, 
     return received
 
 
+def by_pair(checkpoint, data, out_dir, pairs=None, subset="test"):
+    """expert_use_by_pair into OUT_DIR/expert_use_by_pair.txt (a table per layer) and .png (a heat map per layer)."""
+    from .plot import plot_expert_use_by_pair
+
+    out_dir = Path(out_dir)
+    txt, png = out_dir / "expert_use_by_pair.txt", out_dir / "expert_use_by_pair.png"
+    try:
+        refuse_existing([str(txt), str(png)], "--out")
+    except FileExistsError as e:
+        raise FlagError(str(e)) from None
+    use = expert_use_by_pair(checkpoint, data, pairs.split(",") if pairs else None, subset)
+    lines = [f"each expert's share (%) of the routed weight on {subset}, per MoE layer and language pair"]
+    for layer in next(iter(use.values())):
+        lines.append(f"{layer}:")
+        lines += [f"  {pair:>12s}  " + " ".join(f"{100 * v:5.1f}" for v in use[pair][layer]) for pair in use]
+    write_new(str(txt), lambda save: save("\n".join(lines) + "\n", str(txt),
+                                          dump=lambda text, f: f.write(text.encode("utf-8"))))
+    plot_expert_use_by_pair(use, png)
+    return use
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fairseq_moe.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="NAME.pt of a checkpoint (a single file or a set)")
     p.add_argument("--data", required=True, help="the data-bin the model was trained on (its dictionaries)")
-    p.add_argument("--input", required=True, help="sentences, one per line (source side for translation)")
+    p.add_argument("--input", help="sentences, one per line (source side for translation); not with "
+                                   "--by-lang-pair")
     p.add_argument("--target", help="translation: the target sentences, line by line (the decoder's layers)")
     p.add_argument("--layer", help="one MoE layer only: its name or its 0-based position among the MoE layers")
     p.add_argument("--spm", help="a sentencepiece model to encode raw --input/--target lines with")
     p.add_argument("--out", default="inspect", help="folder for routing.txt and the heat maps (default: inspect)")
     p.add_argument("--show", type=int, default=5, help="sentences shown token by token (default 5)")
+    p.add_argument("--by-lang-pair", action="store_true", help="a multilingual model: each expert's share of the "
+                   "routed weight per language pair and MoE layer over --subset (DIR/expert_use_by_pair.txt and "
+                   ".png)")
+    p.add_argument("--lang-pairs", help="with --by-lang-pair: these pairs (default: the model's)")
+    p.add_argument("--subset", default="test", help="with --by-lang-pair: the split of --data (default: test)")
     a = p.parse_args(argv)
+    if a.by_lang_pair == bool(a.input):
+        p.error("give --input FILE (sentences to show), or --by-lang-pair (expert use per language pair)")
     import fairseq  # noqa: F401  (imported first: then importing the plugin registers it with fairseq)
 
     from . import load_plugin
     from .cli import one_line_errors
 
     load_plugin()
+    if a.by_lang_pair:
+        one_line_errors(by_pair)(a.checkpoint, a.data, a.out, a.lang_pairs, a.subset)
+        for path in (Path(a.out) / "expert_use_by_pair.txt", Path(a.out) / "expert_use_by_pair.png"):
+            print(path)
+        return 0
     for flag, path in (("--input", a.input), ("--target", a.target), ("--spm", a.spm)):
         if path is not None and not Path(path).is_file():
             p.error(f"{flag} {path}: no such file")

@@ -146,6 +146,38 @@ def plot_run(stats_file, log_file, out_dir, title=""):
     return write_new(str(out_dir / PICTURES[0]), lambda save: _plot(stats_file, log_file, out_dir, title, save))
 
 
+def plot_expert_use_by_pair(use, png, title=""):
+    """use: {language pair: {MoE layer: [E] share of its routed weight}} (inspect.expert_use_by_pair) -> one
+    heat map per MoE layer (pairs x experts) in png, a new file; returns its panels as plot_run does."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (its font search logs at DEBUG under fairseq's root)
+    png = Path(png)
+    refuse_existing([str(png)], "the picture")
+    pairs = list(use)
+    layers = sorted(next(iter(use.values())), key=_layer_order)
+    drawn = {}
+
+    def draw(save):
+        fig, axes = _grid(plt, len(layers), f"share of each expert's routed weight, per language pair {title}")
+        for ax, layer in zip(axes, layers):
+            grid = [use[pair][layer] for pair in pairs]
+            image = ax.imshow(grid, cmap="viridis", aspect="auto", vmin=0)
+            ax.set_yticks(range(len(pairs)), pairs)
+            ax.set_xticks(range(len(grid[0])), [str(e) for e in range(len(grid[0]))], fontsize=7)
+            ax.set(title=layer, xlabel="expert", ylabel="pair")
+            fig.colorbar(image, ax=ax)
+        _save(plt, fig, png, drawn, save)
+
+    write_new(str(png), draw)
+    return drawn
+
+
 def _plot(stats_file, log_file, out_dir, title, save):
     import matplotlib
 

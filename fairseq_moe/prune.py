@@ -33,37 +33,6 @@ from .new_files import refuse_existing, write_new
 from .reshard import read_any, run_tool
 
 
-def routed_weight(model, task, subset, max_tokens):
-    """{MoE layer name: [E] fp64 routed weight} over subset, and the number of sentences read."""
-    from fairseq import utils
-
-    from .inspect import moe_layers, recording
-
-    layers = moe_layers(model)
-    task.load_dataset(subset, combine=False, epoch=1)
-    dataset = task.dataset(subset)
-    itr = task.get_batch_iterator(
-        dataset=dataset, max_tokens=max_tokens, max_positions=utils.resolve_max_positions(
-            task.max_positions(), model.max_positions()), ignore_invalid_inputs=True, seed=1,
-        num_workers=0).next_epoch_itr(shuffle=False)
-    mass = {name: torch.zeros(layer.cfg.num_experts, dtype=torch.float64) for name, layer in layers}
-    sentences = 0
-    with recording(layers) as seen, torch.no_grad():
-        for sample in itr:
-            if not sample:
-                continue
-            model(**sample["net_input"])
-            sentences += sample["nsentences"]
-            for name, calls in seen.items():
-                for _, _, weights, counts in calls:
-                    expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.cpu())
-                    mass[name].index_add_(0, expert, weights.double().cpu())
-                calls.clear()
-    if not sentences:
-        raise FlagError(f"--subset {subset} of the data has no sentence to measure expert use on")
-    return mass, sentences
-
-
 def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
     """(n, {layer: sorted kept expert ids}): each layer's n experts of most routed weight, n from --keep or
     --keep-mass (the largest over the layers), at least top_k, rounded up to a multiple of multiple_of."""
@@ -111,7 +80,7 @@ def pruned_state(state, kept, n, made_by):
 def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,
           max_tokens=4000):
     """Write OUT.pt; returns (n, E, {layer: (kept ids, share of the routed weight kept)})."""
-    from .inspect import load, moe_layers
+    from .inspect import load, moe_layers, routed_weight
 
     if (keep is None) == (keep_mass is None):
         raise FlagError("give one of --keep F and --keep-mass M")
@@ -145,7 +114,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
                 raise FlagError(f"--lang-pairs {lang_pairs}: {missing[0]} is not one of the model's pairs "
                                 f"({','.join(task_pairs)})")
             overrides["lang_pairs"] = ",".join(wanted)
-    model, task = load(ckpt, data) if not overrides else _load_with(ckpt, data, overrides)
+    model, task = load(ckpt, data, overrides)
     top_k = max(layer.cfg.eval_top_k or layer.cfg.top_k for _, layer in moe_layers(model))
     mass, sentences = routed_weight(model, task, subset, max_tokens)
     n, kept = choose(mass, keep, keep_mass, multiple_of, top_k)
@@ -157,20 +126,6 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
         "lang_pairs": lang_pairs or ",".join(task_pairs or []), "sentences": sentences, "kept": kept})
     write_new(out, lambda save: save(pruned, out))
     return n, E, report
-
-
-def _load_with(ckpt, data, overrides):
-    """inspect.load with more task overrides (the language pairs)."""
-    from fairseq import checkpoint_utils
-
-    from .inspect import check_data
-
-    found = shards.locate(str(ckpt))
-    path = shards.shared_path(found[1]) if found[0] == "set" else found[1]
-    check_data(path, data)
-    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=dict(
-        overrides, data=data))
-    return model.eval(), task
 
 
 def main(argv=None):

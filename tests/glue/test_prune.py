@@ -1,7 +1,7 @@
 """python -m fairseq_moe.prune: a multilingual MoE model (en-xx, en-yy; 8 experts, top-2) pruned for en-xx keeps, per
 layer, the experts of most routed weight on en-xx, and the pruned model computes what the full model computes
 with the other experts' router logits at -inf; it generates on 1 and on 2 ranks alike; bad input is one line and
-writes nothing."""
+writes nothing. And the routed weight itself, per language pair (inspect --by-lang-pair)."""
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -107,3 +107,41 @@ def test_a_pruned_model_generates_on_two_ranks_as_on_one(multilingual, tmp_path)
             assert text_a == text_b and float(a) == pytest.approx(float(b), abs=1e-5), key
         elif key[0] != "P":
             assert one[key] == two[key], key
+
+
+def test_expert_use_by_language_pair(multilingual, tmp_path, capsys):
+    """inspect --by-lang-pair: per pair and MoE layer, each expert's share of the routed weight (summing to 1) over
+    the pair's test sentences, recomputed here from the router's top-2 weights, token by token; the table and the
+    heat maps are written; a pair the model lacks is one line."""
+    from fairseq_moe import inspect
+
+    data, full_path = multilingual
+    assert inspect.main([str(full_path), "--data", data, "--by-lang-pair", "--out", str(tmp_path / "out")]) == 0
+    use = inspect.expert_use_by_pair(full_path, data)
+    assert list(use) == ["en-xx", "en-yy"]
+    model, task = load(full_path, data, "en-xx")
+    inputs = {}  # each MoE layer's tokens [T, d], as its gate sees them (eval: every position, pads included)
+    hooks = [layer.gate.register_forward_hook(lambda m, args, out, _n=name: inputs.setdefault(_n, []).append(args[0]))
+             for name, layer in moe_layers(model)]
+    task.load_dataset("test")
+    itr = task.get_batch_iterator(dataset=task.dataset("test"), max_tokens=4000, seed=1).next_epoch_itr(shuffle=False)
+    with torch.no_grad():
+        for sample in itr:
+            model(**sample["net_input"])
+    for h in hooks:
+        h.remove()
+    for name, layer in moe_layers(model):
+        weight = torch.zeros(E, dtype=torch.float64)
+        for x in inputs[name]:
+            probs = torch.softmax(x.float() @ layer.gate.weight.float().t(), -1)
+            top_p, top_e = probs.topk(2, -1)
+            weight.index_add_(0, top_e.reshape(-1), (top_p / top_p.sum(-1, keepdim=True)).reshape(-1).double())
+        torch.testing.assert_close(torch.tensor(use["en-xx"][name], dtype=torch.float64), weight / weight.sum())
+    text = (tmp_path / "out" / "expert_use_by_pair.txt").read_text()
+    assert "en-yy" in text and (tmp_path / "out" / "expert_use_by_pair.png").stat().st_size > 1000
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        inspect.main([str(full_path), "--data", data, "--by-lang-pair", "--lang-pairs", "en-zz", "--out",
+                      str(tmp_path / "other")])
+    assert e.value.code == 2
+    assert "en-zz is not one of the model's pairs" in capsys.readouterr().err
