@@ -10,16 +10,17 @@ ranks E..n-1 are replicas). IN_PREFIX may also be given as one of those file nam
 Layout and semantics as read from the moe branch's code (fairseq/modules/moe/, moe_checkpoint_utils.py,
 trainer.py): see docs/moe_branch.md.
 
-OUT.pt is a single moe_transformer / moe_transformer_lm checkpoint with every expert (it loads at any world
-size, fairseq-generate and fairseq-eval-lm read it with --user-dir fairseq_moe), its flags mapped: the MoE
-layers where they were (--encoder/--decoder-moe-freq), --moe-expert-count, top-1 or top-2, the second-expert
-policy, gate-probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, NLLB's expert and
-final output masking (--moe-eom, --moe-fom), the capacity
-(training and eval: --moe-capacity-rounding per_choice) and which tokens an expert takes first at capacity
-(--moe-token-priority sentence). The optimizer state is not converted (continue training with --finetune-from-model). What cannot
-be mapped is refused, naming the key: CMR layers, BASE layers, dense "pseudo-MoE" layers of another width,
-FSDP-sharded files, tasks other than translation, translation_multi_simple_epoch (NLLB's: it becomes
-moe_translation_multi_simple_epoch) and language modelling. Never overwrites; writes OUT whole or not at all.
+OUT.pt is a single moe_transformer / moe_transformer_lm checkpoint with every expert (it loads at any world size,
+fairseq-generate and fairseq-eval-lm read it with --user-dir fairseq_moe), its flags mapped: the MoE layers where
+they were (--encoder/--decoder-moe-freq), --moe-expert-count, top-1 or top-2, the second-expert policy, gate-
+probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, NLLB's expert and final output
+masking (--moe-eom, --moe-fom) and its conditional MoE routing (--moe-cmr: the layer's dense FFN becomes the one
+shared expert, the CMR gate mixes it with the experts), the capacity (training and eval: --moe-capacity-rounding
+per_choice) and which tokens an expert takes first at capacity (--moe-token-priority sentence). The optimizer
+state is not converted (continue training with --finetune-from-model). What cannot be mapped is refused, naming
+the key: BASE layers, dense "pseudo-MoE" layers of another width, FSDP-sharded files, tasks other than
+translation, translation_multi_simple_epoch (NLLB's: it becomes moe_translation_multi_simple_epoch) and language
+modelling. Never overwrites; writes OUT whole or not at all.
 """
 import argparse
 import math
@@ -41,9 +42,11 @@ _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.
                      r"(?P<fc>fc1|fc2)\.(?P<kind>weight|bias)$")
 _GATE = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.gate\.wg\.weight$")
 _RANK = re.compile(r"-rank-(\d+)\.pt$")
+# NLLB's CMR layers: the gate, its language ids (logging only), and the MoE layer a second time (the same module)
+_CMR = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.cmr_layer\."
+                  r"(?P<rest>gate\.wg\.(?:weight|bias)|lang_idx|moe_layer\..+)$")
 # cfg.model fields whose non-default value this converter cannot map (the moe branch / NLLB feature named)
-UNMAPPABLE = {"moe_cmr": "NLLB's CMR layers (a dense FFN beside the MoE, mixed by a learned sigmoid gate)",
-              "base_layers": "BASE layers (balanced assignment, extra layers)",
+UNMAPPABLE = {"base_layers": "BASE layers (balanced assignment, extra layers)",
               "alternate_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
               "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width"}
 
@@ -96,6 +99,11 @@ def expert_tensors(rank_files, E, shared_path):
         model = _read(path, "a rank file of the set")["model"]
         found = {}
         for key, t in model.items():
+            if (c := _CMR.match(key)) is not None and c["rest"].startswith("moe_layer."):
+                twin = f"{c['layer']}.{c['rest']}"  # (CMRLayer holds the layer's own MoE module: the same tensor)
+                if twin not in model or not torch.equal(model[twin], t):
+                    raise CheckpointError(f"{path}: {key} differs from {twin}, which NLLB's CMR layer shares")
+                continue
             m = _EXPERT.match(key)
             if m is None:
                 raise CheckpointError(f"{path}: {key} is not an expert parameter of the moe branch's layout "
@@ -153,12 +161,19 @@ def _field(cfg, key, kind, default, path, choices=None):
     return float(value) if kind is float else value
 
 
-def layer_freq(indices, count, side):
-    """The --{side}-moe-freq that makes exactly `indices` (0-based) of `count` layers MoE, or an error."""
+def every_nth(indices, count):
+    """N when `indices` (0-based, sorted) are exactly every N-th of `count` layers (layers N-1, 2N-1, ...), 0 when
+    there are none, None otherwise."""
     if not indices:
         return 0
     freq = indices[0] + 1
-    if indices != [i for i in range(count) if (i + 1) % freq == 0]:
+    return freq if indices == [i for i in range(count) if (i + 1) % freq == 0] else None
+
+
+def layer_freq(indices, count, side):
+    """The --{side}-moe-freq that makes exactly `indices` (0-based) of `count` layers MoE, or an error."""
+    freq = every_nth(indices, count)
+    if freq is None:
         raise CheckpointError(f"the MoE layers of the {side} are {indices} of {count}: not every N-th layer, "
                               f"which --{side}-moe-freq cannot express")
     return freq
@@ -182,11 +197,19 @@ def convert(prefix, out):
                               f"moe branch")
     experts = expert_tensors(rank_files, E, shared_path)
     model = {}
-    gates = {}
+    gates, cmr = {}, {}
+    cmr_on = _field(cfg, "moe_cmr", bool, False, shared_path)
     for key, t in state["model"].items():
         if (m := _GATE.match(key)) is not None:
             gates[m["layer"]] = t
-        elif "moe_layer" in key or "expert" in key:
+        elif cmr_on and (c := _CMR.match(key)) is not None:
+            if c["rest"].startswith("moe_layer."):
+                twin = f"{c['layer']}.{c['rest']}"
+                if twin not in state["model"] or not torch.equal(state["model"][twin], t):
+                    raise CheckpointError(f"{shared_path}: {key} differs from {twin}, which NLLB's CMR layer shares")
+            elif c["rest"] != "lang_idx":  # (the gates per language that CMR logs: nothing to compute)
+                cmr.setdefault(c["layer"], {})[c["rest"].rsplit(".", 1)[1]] = t
+        elif "moe_layer" in key or "expert" in key or "cmr_layer" in key:
             raise CheckpointError(f"{shared_path}: {key} is not part of the moe branch's MoE layer as this "
                                   f"converter knows it (gate.wg.weight; experts in the rank files): not converted")
         else:
@@ -203,6 +226,19 @@ def convert(prefix, out):
         model.update({p + "gate.weight": gates[layer].float(), p + "experts.w1": fc1_w.transpose(1, 2).contiguous(),
                       p + "experts.b1": fc1_b, p + "experts.w2": fc2_w.transpose(1, 2).contiguous(),
                       p + "experts.b2": fc2_b})
+        if cmr_on:  # the layer's dense FFN is the one shared expert; the CMR gate mixes it with the experts
+            dense = {part: model.pop(f"{layer}.{part}", None) for part in ("fc1.weight", "fc1.bias", "fc2.weight",
+                                                                            "fc2.bias")}
+            missing = [part for part, t in dense.items() if t is None] + [
+                f"cmr_layer.gate.wg.{kind}" for kind in ("weight", "bias") if kind not in cmr.get(layer, {})]
+            if missing:
+                raise CheckpointError(f"{shared_path}: cfg.model.moe_cmr is on but the MoE layer {layer} has no "
+                                      f"{layer}.{missing[0]}")
+            model.update({p + "shared.w1": dense["fc1.weight"].t().unsqueeze(0).contiguous(),
+                          p + "shared.b1": dense["fc1.bias"].unsqueeze(0),
+                          p + "shared.w2": dense["fc2.weight"].t().unsqueeze(0).contiguous(),
+                          p + "shared.b2": dense["fc2.bias"].unsqueeze(0),
+                          p + "cmr_gate.weight": cmr[layer]["weight"], p + "cmr_gate.bias": cmr[layer]["bias"]})
 
     sides = ("encoder", "decoder") if any(k.startswith("encoder.") for k in model) else ("decoder",)
     freqs = {}
@@ -228,7 +264,9 @@ def convert(prefix, out):
                moe_capacity_factor=1.0, moe_capacity_rounding="per_choice", moe_token_priority="sentence",
                # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity
                moe_eval_capacity_token_fraction=fraction if fraction > 0 else -1.0,
-               moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize, **masking)
+               moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize, **masking,
+               moe_cmr=cmr_on, moe_shared_expert_count=1 if cmr_on else 0,
+               cmr_gate_drop=_field(cfg, "cmr_gate_drop", float, 0.0, shared_path) if cmr_on else 0.0)
     if "encoder" in sides:
         cfg["encoder_moe_freq"] = freqs["encoder"]
     converted = moe_checkpoint(state, model, cfg, shared_path, {

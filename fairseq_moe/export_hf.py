@@ -46,10 +46,10 @@ def _flags(state, path):
 
 def sparse_step(layers, count, side):
     """NllbMoe's {side}_sparse_step for MoE layers at these indices of count layers (0: none), or an error."""
-    if not layers:
-        return 0
-    step = layers[0] + 1
-    if layers != [i for i in range(count) if (i + 1) % step == 0]:
+    from .convert_moe_branch import every_nth
+
+    step = every_nth(layers, count)
+    if step is None:
         raise FlagError(f"the {side}'s MoE layers {layers} are not every N-th of {count} layers: NllbMoe's "
                         f"{side}_sparse_step cannot express them")
     return step

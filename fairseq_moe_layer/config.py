@@ -91,6 +91,13 @@ class LayerSettings:
            "parameters, replicated (data parallel) when the routed experts are spread", "--moe-shared-expert-count",
         ge=0, metavar="N")
 
+    cmr: bool = setting(
+        False, "NLLB-MoE's conditional MoE routing: the one shared expert (a dense FFN) and the routed experts mixed "
+               "per token by a learned gate g = sigmoid(w . x + b): (1 - g) FFN(x) + g MoE(x) (the FFN is the one "
+               "shared expert: the flag brings --moe-shared-expert-count 1)", "--moe-cmr")
+    cmr_gate_drop: float = setting(0.0, "--moe-cmr: dropout on its gate g in training", "--cmr-gate-drop", ge=0, lt=1,
+                                   metavar="P")
+
     def refuse(self, name, why):
         """Raise the ValueError that names the flag of field `name`."""
         f = next(f for f in fields(self) if f.name == name)
@@ -117,7 +124,12 @@ class LayerSettings:
                 bad(name, f"must be {policy.only_top_k} with --moe-routing {self.routing}")
         if not policy.learned_router and self.gate_noise != "none":
             bad("gate_noise", f"has nothing to act on with --moe-routing {self.routing} (no router)")
-        for name in ("expert_output_masking", "final_output_masking"):
+        if self.cmr and self.shared_experts != 1:
+            bad("cmr", f"mixes one dense FFN with the routed experts: needs --moe-shared-expert-count 1 (here "
+                       f"{self.shared_experts})")
+        if self.cmr_gate_drop and not self.cmr:
+            bad("cmr_gate_drop", "is the dropout of --moe-cmr's gate, which is off")
+        for name in ("expert_output_masking", "final_output_masking", "cmr"):
             if policy.slots and getattr(self, name):
                 bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
         if not policy.dropless and not self.capacity_factor > 0:

@@ -48,6 +48,8 @@ class MoELayer(nn.Module):
         )
         self.shared = Experts(cfg.shared_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout,
                               routed=False) if cfg.shared_experts else None
+        # NLLB-MoE's CMR gate: one logit per token, whose sigmoid mixes the shared FFN and the routed experts
+        self.cmr_gate = nn.Linear(cfg.model_dim, 1) if cfg.cmr else None
         self._demand = None  # [E] fp32: assignments asked for since the last bias update (training forwards)
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
@@ -113,13 +115,20 @@ class MoELayer(nn.Module):
             rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
             y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, weights, T)  # [T, d]
 
-        if self.shared is not None:
+        cmr = None
+        if self.cmr_gate is not None:  # (1 - g) FFN(x) + g MoE(x), g dropped out in training (NLLB's CMRGate)
+            cmr = torch.nn.functional.dropout(torch.sigmoid(self.cmr_gate(x).squeeze(-1)), cfg.cmr_gate_drop,
+                                              self.training)  # [T]
+            y = y * cmr.unsqueeze(-1).to(y.dtype) + self.shared.all_tokens(x, ops) * (1 - cmr).unsqueeze(-1).to(y.dtype)
+        elif self.shared is not None:
             y = y + self.shared.all_tokens(x, ops)
         if cfg.final_output_masking:  # (each token's whole output: --moe-fom)
             y = y * self._masked(y.new_ones(T, 1), cfg.final_output_masking).to(y.dtype)
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
         aux = self._aux(logits, clean, r, T, k, cfg)
+        if cmr is not None:
+            aux.cmr_gate_sum = cmr.float().sum()  # (NLLB's cmr_gate_loss_num; num_tokens its denominator)
         return y.view(shape), aux
 
     def _masked(self, factors, p):

@@ -84,6 +84,7 @@ class MoEAux:
     entropy: torch.Tensor  # scalar, mean router entropy (nats)
     dropped: Union[float, torch.Tensor] = 0.0  # Routing.dropped (read through dropped_fraction)
     shazeer: Optional[ShazeerInputs] = field(default=None, repr=False)  # None: Shazeer's losses are zero
+    cmr_gate_sum: Optional[torch.Tensor] = None  # --moe-cmr: the sum of its gates over the tokens (has grad)
 
     @property
     def dropped_fraction(self):

@@ -14,7 +14,7 @@ from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 
 METRICS = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_imbalance", "moe_entropy", "moe_importance_loss",
-           "moe_load_loss")
+           "moe_load_loss", "moe_cmr_gate")
 
 
 COMBINE, TRANSFORMS, LOSS_TYPES = ("average", "sum"), ("none", "neg_log"), ("balance", "importance_load")
@@ -33,6 +33,10 @@ class MoELossConfig:
     moe_gate_loss_type: ChoiceEnum(LOSS_TYPES) = setting(
         "balance", "what --moe-gate-loss-wt weights: the GShard/Switch balance loss, or Shazeer et al.'s "
                    "CV(importance)^2 + CV(load)^2 (top-k routing with --moe-gate-noise gaussian)", choices=LOSS_TYPES)
+    cmr_gate_loss_wt: float = setting(0.0, "--moe-cmr: weight of NLLB-MoE's CMR loss |mean gate - P|, P "
+                                            "--cmr-gate-loss-p", "--cmr-gate-loss-wt", ge=0)
+    cmr_gate_loss_p: float = setting(1.0, "--moe-cmr: the share of each token the CMR loss asks to go to the "
+                                          "routed experts", "--cmr-gate-loss-p", ge=0, le=1)
     moe_log_per_layer: bool = setting(
         False, "also log each MoE layer's balance loss, dropped fraction, imbalance and entropy "
                "(moe_encoder1_balance, moe_decoder3_dropped, ...)")
@@ -58,6 +62,12 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
         gate_loss = -torch.log(gate_loss)
     # The task loss is a sum over sample_size items (fairseq divides by it later): scale alike.
     loss = loss + sample_size * (cfg.moe_gate_loss_wt * gate_loss + cfg.moe_z_loss_wt * z)
+    cmr = [a for a in auxes if a.cmr_gate_sum is not None]
+    if cmr:  # NLLB-MoE's: the gates' mean over every CMR layer's tokens, pulled towards --cmr-gate-loss-p
+        used = sum(a.cmr_gate_sum for a in cmr) / max(sum(a.num_tokens for a in cmr), 1e-5)
+        if cfg.cmr_gate_loss_wt:
+            loss = loss + sample_size * cfg.cmr_gate_loss_wt * (used - cfg.cmr_gate_loss_p).abs()
+        logging_output["moe_cmr_gate"] = used.detach().item() * sample_size
     n = len(auxes)
     # Metrics are means over layers, weighted by sample_size so that reduce_metrics can average.
     logging_output["moe_balance_loss"] = balance.detach().mean().item() * sample_size

@@ -4,6 +4,7 @@ Flags follow fairseq's moe branch where it has them. Layer i (0-based) of a side
 freq > 0 and (i + 1) % freq == 0, freq being --encoder-moe-freq / --decoder-moe-freq or else
 --moe-freq (the moe branch's rule).
 """
+import dataclasses
 import logging
 import os
 from argparse import Namespace
@@ -108,6 +109,8 @@ def moe_config(args, side):
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
         **{name: getattr(args, flag) for flag, name in LAYER_FLAGS.items()})
+    if cfg.cmr and cfg.shared_experts == 0:  # (NLLB's --moe-cmr brings its dense FFN: the one shared expert)
+        cfg = dataclasses.replace(cfg, shared_experts=1)
     try:
         return cfg.validate()
     except ValueError as e:  # the layer's own check names the flag; to the CLI it is a flag error

@@ -36,10 +36,12 @@ def saved(data_bin, lm_data_bin, tmp_path_factory):
     return out
 
 
-def write_moe_branch_set(ours, prefix, ranks, top1=False, **cfg_changes):
+def write_moe_branch_set(ours, prefix, ranks, top1=False, cmr=False, **cfg_changes):
     """Our checkpoint rewritten as the moe branch saves it: PREFIX-shared.pt (all but the experts; gates as
     LAYER.moe_layer.gate.wg.weight) and PREFIX-rank-R.pt (rank R's experts LAYER.moe_layer.experts.j.fc1/fc2,
-    global expert R * El + j, or R mod E with more ranks than experts). Returns the moe-branch state dict."""
+    global expert R * El + j, or R mod E with more ranks than experts). cmr: NLLB's CMR layers, as its
+    state_dict holds them: each MoE layer also has a dense fc1/fc2 and LAYER.cmr_layer.gate.wg (random here), and
+    its MoE module a second time under LAYER.cmr_layer.moe_layer. Returns the moe-branch state dict."""
     model, moe = {}, {}
     for key, t in ours["model"].items():
         if ".fc1.moe." not in key:
@@ -53,6 +55,16 @@ def write_moe_branch_set(ours, prefix, ranks, top1=False, **cfg_changes):
                         "experts.w2": ("fc2", "weight"), "experts.b2": ("fc2", "bias")}[rest]
             for e in range(E):
                 moe[f"{layer}.moe_layer.experts.{e}.{fc}.{kind}"] = t[e].t().contiguous() if kind == "weight" else t[e]
+    if cmr:
+        g = torch.Generator().manual_seed(5)
+        for layer in sorted({k.split(".moe_layer.")[0] for k in model if ".moe_layer." in k}):
+            D, F = ours["model"][f"{layer}.fc1.moe.experts.w1"].shape[1:]
+            for key, shape in (("fc1.weight", (F, D)), ("fc1.bias", (F,)), ("fc2.weight", (D, F)), ("fc2.bias", (D,)),
+                               ("cmr_layer.gate.wg.weight", (1, D)), ("cmr_layer.gate.wg.bias", (1,))):
+                model[f"{layer}.{key}"] = torch.randn(shape, generator=g) * 0.3
+            model[f"{layer}.cmr_layer.moe_layer.gate.wg.weight"] = model[f"{layer}.moe_layer.gate.wg.weight"]
+        moe.update({k.replace(".moe_layer.", ".cmr_layer.moe_layer."): t for k, t in list(moe.items())})
+        cfg_changes = dict(cfg_changes, moe_cmr=True, cmr_gate_drop=0.1)
     args = {k: v for k, v in vars(ours["cfg"]["model"]).items() if not k.startswith("moe_") or k in MOE_BRANCH_FIELDS}
     lm = not any(k.startswith("encoder.") for k in model)
     args.update(_name="transformer_lm_gpt" if lm else "transformer", arch="transformer_lm_gpt" if lm else "transformer",
@@ -114,6 +126,12 @@ class PlainMoE(nn.Module):
                     p = f"{self.layer}.moe_layer.experts.{e}."
                     h = torch.relu(tokens[s] @ w[p + "fc1.weight"].t() + w[p + "fc1.bias"])
                     out[s] += g * ((h @ w[p + "fc2.weight"].t() + w[p + "fc2.bias"]) * (1 - self.eom))
+            cmr = f"{self.layer}.cmr_layer.gate.wg."
+            if cmr + "weight" in w:  # NLLB's CMR: (1 - g) FFN(x) + g MoE(x), the layer's own dense FFN
+                gate = torch.sigmoid(tokens[s] @ w[cmr + "weight"][0] + w[cmr + "bias"][0])
+                p = f"{self.layer}."
+                h = torch.relu(tokens[s] @ w[p + "fc1.weight"].t() + w[p + "fc1.bias"])
+                out[s] = (1 - gate) * (h @ w[p + "fc2.weight"].t() + w[p + "fc2.bias"]) + gate * out[s]
             out[s] = out[s] * (1 - self.fom)  # (NLLB: each expert output, then the layer's, at eval)
         return out.view(B, T, C).transpose(0, 1)
 
@@ -124,8 +142,9 @@ def reference_model(weights, cfg, top1):
 
     task = tasks.setup_task(OmegaConf.create(cfg["task"]))
     model = task.build_model(cfg["model"]).eval()
-    moe_layers = sorted({k.split(".moe_layer.")[0] for k in weights if ".moe_layer." in k})
-    model.load_state_dict({k: v for k, v in weights.items() if ".moe_layer." not in k}, strict=False)
+    moe_layers = sorted({k.split(".moe_layer.")[0] for k in weights if ".moe_layer." in k and ".cmr_layer." not in k})
+    model.load_state_dict({k: v for k, v in weights.items() if ".moe_layer." not in k and ".cmr_layer." not in k},
+                          strict=False)
     for name in moe_layers:
         layer = model.get_submodule(name)
         layer.fc1 = PlainMoE(weights, name, top1, cfg["model"].moe_eval_capacity_token_fraction,
@@ -151,7 +170,8 @@ def forward(model, task):
 @pytest.mark.parametrize("fraction", [1.0, 0.25, -1.0])
 @pytest.mark.parametrize("kind, ranks, top1, masking", [
     ("mt", 1, False, {}), ("mt", 2, True, {}), ("mt", 8, False, {}), ("lm", 4, False, {}), ("lm", 2, True, {}),
-    ("mt", 2, False, dict(moe_eom=0.2, moe_fom=0.1))])  # NLLB-MoE's expert and final output masking (1 - p at eval)
+    ("mt", 2, False, dict(moe_eom=0.2, moe_fom=0.1)),  # NLLB-MoE's expert and final output masking (1 - p at eval)
+    ("mt", 4, False, dict(cmr=True, moe_eom=0.2))])  # NLLB's conditional MoE routing (CMR)
 def test_converted_model_computes_what_the_moe_branch_computed(saved, tmp_path, kind, ranks, top1, masking, fraction):
     weights, cfg = write_moe_branch_set(saved[kind], str(tmp_path / "model"), ranks, top1,
                                         moe_eval_capacity_token_fraction=fraction, **masking)
@@ -167,6 +187,8 @@ def test_converted_model_computes_what_the_moe_branch_computed(saved, tmp_path, 
         assert not torch.allclose(forward(dropless, task), forward(reference, task), rtol=1e-3, atol=1e-3)
     state = torch.load(out, weights_only=True)
     assert "last_optimizer_state" not in state and state["cfg"]["model"].moe_top_k == (1 if top1 else 2)
+    if masking.get("cmr"):
+        assert state["cfg"]["model"].cmr_gate_drop == 0.1 and any(".moe.cmr_gate." in k for k in state["model"])
 
 
 def test_refusals(saved, tmp_path, capsys):

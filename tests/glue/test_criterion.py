@@ -142,3 +142,15 @@ def test_adaptive_softmax_refused_by_the_moe_criterions(lm_data_bin, tmp_path):
     task, model, criterion, args = build(lm_train_argv(lm_data_bin, tmp_path, "--adaptive-softmax-cutoff", "10,20"))
     with pytest.raises(ValueError, match="--adaptive-softmax-cutoff"):
         Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
+
+
+def test_the_cmr_loss_pulls_the_mean_gate_to_p(data_bin, tmp_path):
+    """--moe-cmr with --cmr-gate-loss-wt W and --cmr-gate-loss-p P (NLLB's moe_label_smoothed_cross_entropy): loss +=
+    sample_size * W * |sum of the gates over every CMR layer's tokens / their count - P|; the mean gate is logged."""
+    cmr = ("moe_label_smoothed_cross_entropy", "--moe-cmr", "--moe-gate-loss-wt", "0")
+    base, sample_size, _, _ = losses(data_bin, tmp_path, *cmr)
+    loss, _, log, auxes = losses(data_bin, tmp_path, *cmr, "--cmr-gate-loss-wt", "0.5", "--cmr-gate-loss-p", "0.8")
+    used = sum(a.cmr_gate_sum.item() for a in auxes) / sum(a.num_tokens for a in auxes)
+    assert 0 < used < 1 and all(a.cmr_gate_sum.requires_grad for a in auxes)
+    assert loss.item() == pytest.approx(base.item() + sample_size * 0.5 * abs(used - 0.8), rel=1e-5)
+    assert log["moe_cmr_gate"] == pytest.approx(used * sample_size, rel=1e-5)

@@ -246,3 +246,27 @@ def test_output_masking_as_nllb(k):
 def test_output_masking_has_no_slots_to_mask():
     with pytest.raises(ValueError, match=r"--moe-eom \(expert_output_masking\) applies to routed tokens"):
         MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing="soft", expert_output_masking=0.2).validate()
+
+
+def test_cmr_mixes_the_dense_ffn_and_the_experts_as_nllb():
+    """--moe-cmr (NLLB's CMRLayer): y = (1 - g) FFN(x) + g MoE(x), g = sigmoid(w . x + b) per token, the FFN being
+    the one shared expert; in training g goes through dropout (zeroed, or scaled by 1 / (1 - p)); the aux carries
+    the sum of the gates (NLLB's cmr_gate_loss_num)."""
+    x = torch.randn(300, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    layer = make_layer(top_k=2, shared_experts=1, cmr=True, cmr_gate_drop=0.25, eval_capacity_token_fraction=0.0)
+    routed = _contributions(layer, x).sum(1)
+    s = dict(layer.named_parameters())
+    ffn = torch.relu(x @ s["shared.w1"][0] + s["shared.b1"][0]) @ s["shared.w2"][0] + s["shared.b2"][0]
+    g = torch.sigmoid(x @ s["cmr_gate.weight"][0] + s["cmr_gate.bias"][0])
+    with torch.no_grad():
+        y, aux = layer.eval()(x)
+        torch.testing.assert_close(y, (1 - g)[:, None] * ffn + g[:, None] * routed, **TOL[torch.float64])
+        assert aux.cmr_gate_sum.item() == pytest.approx(g.sum().item())
+        y, aux = layer.train()(x)
+    # each token: the gate dropped (the FFN alone) or kept and scaled by 1 / (1 - 0.25)
+    kept = g / 0.75
+    dropped = (y - ffn).abs().amax(-1) < 1e-9
+    whole = (y - ((1 - kept)[:, None] * ffn + kept[:, None] * routed)).abs().amax(-1) < 1e-9
+    assert (dropped | whole).all() and 0.15 < dropped.double().mean() < 0.35
+    with pytest.raises(ValueError, match=r"--moe-cmr \(cmr\) mixes one dense FFN"):
+        MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, cmr=True).validate()
