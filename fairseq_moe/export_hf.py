@@ -82,6 +82,7 @@ def nllb_config(a, moe_layers, vocab):
     for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear")):
         need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
     need(a.get("moe_gating_use_fp32", True), "--no-moe-gating-use-fp32", "is set")
+    need(not a.get("moe_cmr"), "--moe-cmr", "is on (transformers' NllbMoe has no conditional MoE routing)")
     for flag in ("moe_bias_update_rate", "moe_shared_expert_count", "moe_fom"):
         need(not a.get(flag), f"--{flag.replace('_', '-')} {a.get(flag)}", "is set")
     need(a.get("moe_expert_groups", 1) == 1 and a.get("moe_topk_groups") is None, "--moe-expert-groups",
