@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from .compat import slurm_step_tasks
+from .compat import launcher_rank
 from .errors import CheckpointError, FlagError, SaveError
 
 
@@ -19,9 +19,7 @@ def _rank():
     SLURM_PROCID)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    if "RANK" not in os.environ and slurm_step_tasks() > 1:
-        return int(os.environ["SLURM_PROCID"])
-    return int(os.environ.get("RANK", "0") or 0)
+    return launcher_rank()
 
 
 def one_line_errors(main):

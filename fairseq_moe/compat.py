@@ -117,6 +117,15 @@ def slurm_step_tasks():
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "0") or 0) if "SLURM_PROCID" in os.environ else 0
 
 
+def launcher_rank():
+    """This process's rank as its launcher gave it, before any process group: an srun step's SLURM_PROCID (srun
+    copies a RANK left in the shell to every task: Slurm's wins), else torchrun's or fairseq_moe.launch's RANK."""
+    env = os.environ
+    if slurm_step_tasks() > 1 and not {"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"} & set(env):
+        return int(env["SLURM_PROCID"])
+    return int(env.get("RANK", "0") or 0)
+
+
 def slurm_as_torchrun(port):
     """Under srun with several tasks (and no launcher inside the step): the environment torchrun gives a
     rank, from Slurm's (MASTER_ADDR: the step's first node; MASTER_PORT: --distributed-port, as fairseq's own Slurm
@@ -140,12 +149,19 @@ def slurm_as_torchrun(port):
         raise FlagError(f"srun started {tasks} tasks but their first node is unknown (scontrol show hostnames "
                         f"$SLURM_STEP_NODELIST: {e})") from None
     per_node = []  # SLURM_STEP_TASKS_PER_NODE: "2(x3),1" is 2, 2, 2, 1
-    for part in env.get("SLURM_STEP_TASKS_PER_NODE", str(tasks)).split(","):
-        count, times = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part).groups()
-        per_node += [int(count)] * int(times or 1)
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE", "")
+    for part in layout.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if m is None:
+            raise FlagError(f"srun started {tasks} tasks but SLURM_STEP_TASKS_PER_NODE={layout!r} does not say how "
+                            f"many run on each node")
+        per_node += [int(m.group(1))] * int(m.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node >= len(per_node) or sum(per_node) != tasks:
+        raise FlagError(f"srun started {tasks} tasks but SLURM_STEP_TASKS_PER_NODE={layout!r} does not add up to "
+                        f"them on node {node}")
     env.update(MASTER_ADDR=hosts[0], MASTER_PORT=str(port), WORLD_SIZE=str(tasks), RANK=env["SLURM_PROCID"],
-               LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-               LOCAL_WORLD_SIZE=str(per_node[int(env.get("SLURM_NODEID", "0"))]))
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(per_node[node]))
     return True
 
 

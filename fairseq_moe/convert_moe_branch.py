@@ -48,7 +48,9 @@ _CMR = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.cmr_layer\."
 # cfg.model fields whose non-default value this converter cannot map (the moe branch / NLLB feature named)
 UNMAPPABLE = {"base_layers": "BASE layers (balanced assignment, extra layers)",
               "alternate_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
-              "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width"}
+              "alternate_decoder_ffn_embed_dim": "dense pseudo-MoE layers of another FFN width",
+              "moe_eval_capacity_max_seqlen": "NLLB's eval capacity from the longest positions, ceil(fraction * "
+                                              "max_positions * B), not from the batch's tokens"}
 
 
 def base_of(prefix):

@@ -11,11 +11,11 @@ data folder as saved). There is no tokenizer: the ids are fairseq's.
 NllbMoe is one architecture: pre-norm layers with a final layer norm on each side, sinusoidal positions, one
 embedding shared by the encoder, the decoder and the output, top-2 routing with a linear fp32 router, every N-th
 layer MoE with every expert as wide as its side's FFN, NLLB's capacity at evaluation (a fraction of the tokens,
-or 2 * ceil(T / E) queued sentence by sentence) and its expert output masking. A checkpoint that computes
-anything else at evaluation is refused, naming the flag, before anything is written. What differs in training
-only (the training capacity, the second expert's sampling, router noise, the loss weights) is listed when the
-export is done: transformers' NllbMoe trains its own way. transformers is an optional dependency
-(pip install 'fairseq-moe[hf]'); nothing else here needs it.
+queued sentence by sentence) and its expert output masking. A checkpoint that computes anything else at
+evaluation is refused, naming the flag, before anything is written. What differs in training only (the training
+capacity, the second expert's sampling, router noise, expert output masking, dropout, the router losses) is listed
+when the export is done: transformers' NllbMoe trains its own way. transformers is an optional dependency (pip
+install 'fairseq-moe[hf]'); nothing else here needs it.
 """
 import argparse
 import json
@@ -93,11 +93,15 @@ def nllb_config(a, moe_layers, vocab):
              f"differs from --{side}-ffn-embed-dim {a[f'{side}_ffn_embed_dim']}")
     frac, cf, rounding = a.get("moe_eval_capacity_token_fraction", 0.25), a.get("moe_capacity_factor", 1.0), \
         a.get("moe_capacity_rounding", "total")
-    if frac < 0:  # the training capacity at evaluation: NllbMoe's is 2 * ceil(T / E)
-        need(cf == 1 and rounding == "per_choice", f"--moe-eval-capacity-token-fraction {frac}", "takes the training "
-             f"capacity (--moe-capacity-factor {cf}, --moe-capacity-rounding {rounding}), not 2 * ceil(T / E) "
-             "(--moe-capacity-factor 1 --moe-capacity-rounding per_choice)")
-    drops = frac < 0 or 0 < frac < 1
+    # A fraction < 0 (the training capacity at evaluation): transformers' router computes 2 * ceil(T / E) on its
+    # first batch and keeps it for every later one (modeling_nllb_moe.py: self.expert_capacity), so no setting of
+    # NllbMoe gives this model's capacity on batches of other sizes.
+    need(frac >= 0, f"--moe-eval-capacity-token-fraction {frac}", "takes the training capacity at evaluation, which "
+         "transformers' NllbMoe fixes at its first batch's (export a model with a fraction >= 0, e.g. after "
+         "--model-overrides, or 0: dropless)")
+    drops = 0 < frac < 1
+    need(not (drops and a.get("use_moe_pad_mask")), "--use-moe-pad-mask", "with tokens dropped at evaluation counts "
+         "the real tokens for the capacity; NllbMoe counts the padding too")
     need(not drops or a.get("moe_token_priority", "position") == "sentence",
          f"--moe-token-priority {a.get('moe_token_priority', 'position')}", "queues tokens position by position "
          "(NllbMoe: sentence by sentence)")
@@ -111,6 +115,15 @@ def nllb_config(a, moe_layers, vocab):
                         f"(NllbMoe's 'sampling' and 'random' would draw at evaluation too)")
     if a.get("moe_gate_noise", "none") != "none":
         training.append(f"router noise {a['moe_gate_noise']}: NllbMoe has none")
+    if a.get("moe_eom"):
+        training.append(f"expert output masking {a['moe_eom']}: this model zeroes whole expert outputs (NLLB's "
+                        f"fairseq); NllbMoe trains it as element-wise dropout, rescaled by 1 / (1 - p)")
+    if a.get("dropout", 0.1) != a.get("activation_dropout", 0.0):
+        training.append(f"dropout after the FFN: this model --dropout {a.get('dropout', 0.1)}; NllbMoe's ff_dropout "
+                        f"is its activation_dropout, {a.get('activation_dropout', 0.0)}")
+    training.append(f"router losses: NllbMoe computes its own (router_aux_loss_coef = --moe-gate-loss-wt "
+                    f"{a.get('moe_gate_loss_wt', 0.01)}, router_z_loss_coef = --moe-z-loss-wt "
+                    f"{a.get('moe_z_loss_wt', 0.0)})")
     config = dict(
         vocab_size=vocab, d_model=d, max_position_embeddings=max(a.get("max_source_positions", 1024),
                                                                  a.get("max_target_positions", 1024)),

@@ -100,6 +100,23 @@ def moe_layers(model, which=None):
 
 
 @contextlib.contextmanager
+def padding_kept_out(model):
+    """While inside: every MoE layer of model routes its real tokens only, as with --use-moe-pad-mask (padding would
+    otherwise count as expert use: the sources are left-padded, the targets right-padded)."""
+    from fairseq_moe.models.moe_ffn import MoEDecoderLayer, MoEEncoderLayer
+
+    owners = [m for m in model.modules() if isinstance(m, (MoEEncoderLayer, MoEDecoderLayer))]
+    before = [m.use_pad_mask for m in owners]
+    for m in owners:
+        m.use_pad_mask = True
+    try:
+        yield
+    finally:
+        for m, b in zip(owners, before):
+            m.use_pad_mask = b
+
+
+@contextlib.contextmanager
 def recording(layers):
     """While inside: what each MoE layer of layers [(name, MoELayer)] hands its fused expert computation, per
     call: {name: [(x [T, d], token_index [N], weights [N], counts [E])]} (detached). One process, per-token
@@ -125,7 +142,8 @@ def recording(layers):
 
 
 def routed_weight(model, task, subset, max_tokens):
-    """{MoE layer name: [E] fp64 routed weight} over subset, and the number of sentences read."""
+    """{MoE layer name: [E] fp64 routed weight} over subset (teacher-forced, at evaluation, padding left out), and
+    the number of sentences read."""
     from fairseq import utils
 
     layers = moe_layers(model)
@@ -137,7 +155,7 @@ def routed_weight(model, task, subset, max_tokens):
         num_workers=0).next_epoch_itr(shuffle=False)
     mass = {name: torch.zeros(layer.cfg.num_experts, dtype=torch.float64) for name, layer in layers}
     sentences = 0
-    with recording(layers) as seen, torch.no_grad():
+    with recording(layers) as seen, padding_kept_out(model), torch.no_grad():
         for sample in itr:
             if not sample:
                 continue
@@ -309,9 +327,12 @@ def by_pair(checkpoint, data, out_dir, pairs=None, subset="test"):
     for layer in next(iter(use.values())):
         lines.append(f"{layer}:")
         lines += [f"  {pair:>12s}  " + " ".join(f"{100 * v:5.1f}" for v in use[pair][layer]) for pair in use]
-    write_new(str(txt), lambda save: save("\n".join(lines) + "\n", str(txt),
-                                          dump=lambda text, f: f.write(text.encode("utf-8"))))
-    plot_expert_use_by_pair(use, png)
+
+    def both(save):  # (one write: the table and the picture land together, or neither)
+        save("\n".join(lines) + "\n", str(txt), dump=lambda text, f: f.write(text.encode("utf-8")))
+        plot_expert_use_by_pair(use, png, save=save)
+
+    write_new(str(txt), both)
     return use
 
 
@@ -334,6 +355,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.by_lang_pair == bool(a.input):
         p.error("give --input FILE (sentences to show), or --by-lang-pair (expert use per language pair)")
+    given = [f for f, v in (("--target", a.target), ("--layer", a.layer), ("--spm", a.spm)) if v is not None] + (
+        ["--show"] if a.show != 5 else [])
+    if a.by_lang_pair and given:
+        p.error(f"{given[0]} goes with --input, not with --by-lang-pair")
+    if not a.by_lang_pair and (a.lang_pairs or a.subset != "test"):
+        p.error("--lang-pairs and --subset go with --by-lang-pair")
     import fairseq  # noqa: F401  (imported first: then importing the plugin registers it with fairseq)
 
     from . import load_plugin

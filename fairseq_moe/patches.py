@@ -130,12 +130,11 @@ _ABSENT = object()
 
 def _launched_rank():
     """The rank a launcher gave this process (0 outside a launched job)."""
-    from .cli import _rank
-    from .compat import one_rank_of_a_job
+    from .compat import launcher_rank, one_rank_of_a_job
 
     if "FAIRSEQ_MOE_LAUNCH_RANK" in os.environ:
         return int(os.environ["FAIRSEQ_MOE_LAUNCH_RANK"] or 0)
-    return _rank() if one_rank_of_a_job() else 0
+    return launcher_rank() if one_rank_of_a_job() else 0
 _originals = {}  # (target, attribute) -> the value apply() replaced (_ABSENT: there was none)
 
 

@@ -146,9 +146,10 @@ def plot_run(stats_file, log_file, out_dir, title=""):
     return write_new(str(out_dir / PICTURES[0]), lambda save: _plot(stats_file, log_file, out_dir, title, save))
 
 
-def plot_expert_use_by_pair(use, png, title=""):
+def plot_expert_use_by_pair(use, png, title="", save=None):
     """use: {language pair: {MoE layer: [E] share of its routed weight}} (inspect.expert_use_by_pair) -> one
-    heat map per MoE layer (pairs x experts) in png, a new file; returns its panels as plot_run does."""
+    heat map per MoE layer (pairs x experts) in png, a new file (through save, a new_files writer's, when given:
+    part of the caller's write); returns its panels as plot_run does."""
     import logging
 
     import matplotlib
@@ -174,7 +175,10 @@ def plot_expert_use_by_pair(use, png, title=""):
             fig.colorbar(image, ax=ax)
         _save(plt, fig, png, drawn, save)
 
-    write_new(str(png), draw)
+    if save is None:
+        write_new(str(png), draw)
+    else:
+        draw(save)
     return drawn
 
 

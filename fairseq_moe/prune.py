@@ -24,6 +24,7 @@ import argparse
 import math
 import sys
 from argparse import Namespace
+from fractions import Fraction
 
 import torch
 
@@ -40,7 +41,7 @@ def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
     need = []
     for name, m in mass.items():
         if keep is not None:
-            need.append(math.ceil(keep * E))
+            need.append(math.ceil(Fraction(repr(float(keep))) * E))  # (in floats 0.07 * 100 is 7.000000000000001)
         else:
             share = torch.sort(m, descending=True).values.cumsum(0) / max(float(m.sum()), 1e-300)
             need.append(int((share < keep_mass - 1e-12).sum()) + 1)
@@ -115,7 +116,14 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
                                 f"({','.join(task_pairs)})")
             overrides["lang_pairs"] = ",".join(wanted)
     model, task = load(ckpt, data, overrides)
-    top_k = max(layer.cfg.eval_top_k or layer.cfg.top_k for _, layer in moe_layers(model))
+    layers = moe_layers(model)
+    for name, layer in layers:  # the router must pick among the kept experts by their scores alone
+        cfg = layer.cfg
+        if cfg.routing != "topk" or cfg.expert_groups != 1 or not layer.policy.learned_router:
+            raise FlagError(f"{name}: --moe-routing {cfg.routing}" + (f" with --moe-expert-groups {cfg.expert_groups}"
+                            if cfg.expert_groups != 1 else "") + " does not choose experts by router scores alone "
+                            "(pruning keeps some experts and lets the router choose among them): prune top-k models")
+    top_k = max(max(layer.cfg.top_k, layer.cfg.eval_top_k or 0) for _, layer in layers)  # (both must still fit)
     mass, sentences = routed_weight(model, task, subset, max_tokens)
     n, kept = choose(mass, keep, keep_mass, multiple_of, top_k)
     E = next(iter(mass.values())).numel()

@@ -14,7 +14,9 @@ HOST="$(hostname -s)"
 CPUS="$(nproc)"
 # The node's name must resolve (slurmd, and the tasks meet at the step's first node by name).
 getent hosts "$HOST" >/dev/null || echo "127.0.0.1 $HOST" >> /etc/hosts
-if sinfo -h -N -o "%N %t" 2>/dev/null | grep -q "^$HOST idle"; then exit 0; fi
+if pgrep -x slurmctld >/dev/null && pgrep -x slurmd >/dev/null && sinfo -h -N -o "%N" 2>/dev/null | grep -qx "$HOST"; then
+    exit 0  # (running already, maybe busy: left as it is)
+fi
 mkdir -p /etc/slurm /var/spool/slurmd /var/spool/slurmctld /var/log/slurm /run/munge /var/lib/munge /var/log/munge
 cat > /etc/slurm/slurm.conf <<CONF
 ClusterName=fairseq-moe-ci

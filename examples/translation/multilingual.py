@@ -9,8 +9,8 @@ End to end, it
      Reina-Valera (1909, Spanish) and the Diodati (1649, Italian); the quickstart's books are held out (test:
      Judges + Mark, valid: Joshua + Romans);
   2. learns one sentencepiece BPE for the four languages and binarises every pair with one dictionary;
-  3. trains, with fairseq's multilingual task (``translation_multi_simple_epoch``: a target-language token on the
-     encoder's input and at the decoder's start, as NLLB does), a ``moe_transformer_tiny`` (--experts experts of
+  3. trains, with fairseq's multilingual task (``translation_multi_simple_epoch``: the target language's token on
+     the encoder's input, which tells a one-to-many model where to go, and at the decoder's start), a ``moe_transformer_tiny`` (--experts experts of
      width 512 / top-k, top-k routing) with ``moe_translation_multi_simple_epoch`` and a dense ``transformer``
      of FFN width 512, the same dimensions, budget and seed;
   4. translates each direction's test books with both (beam 5) and scores BLEU and chrF (sacrebleu);
@@ -23,7 +23,6 @@ About 45-55 minutes by default on 2 CPU cores. Everything lands in --workdir/run
 the pictures, the logs.
 """
 import argparse
-import math
 import os
 import sys
 import time
@@ -180,6 +179,16 @@ def weights_mb(checkpoint):
     return round(sum(t.numel() * t.element_size() for t in state["model"].values()) / 2 ** 20, 1)
 
 
+def experts_of(checkpoint):
+    """The expert count a (pruned) checkpoint's model was written with."""
+    import torch
+
+    from fairseq_moe.checkpoint import register_safe_globals
+
+    register_safe_globals()
+    return torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["cfg"]["model"].moe_expert_count
+
+
 def translate(a, data_bin, checkpoint, out_dir, pair, spm_model, refs, moe=True):
     """BLEU and chrF of checkpoint on pair's test verses (and the seconds it took)."""
     start = time.time()
@@ -262,6 +271,7 @@ def run(a):
             pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
                                  str(data_bin), "--lang-pairs", pair, "--keep", str(keep)], out_dir / "prune.log")
             row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
+            row["kept"] = experts_of(pruned)
             row["weights_mb"] = weights_mb(pruned)
             results["pruned"][f"{pair} keep {keep}"] = row
 
@@ -285,7 +295,7 @@ def print_tables(a, results):
                   f"{moe['directions'][pair]['chrf']:.2f} | {moe['weights_mb']} |")
             for keep in a.prune_keep:
                 r = results["pruned"][f"{pair} keep {keep}"]
-                print(f"| {pair} | {max(a.top_k, math.ceil(keep * a.experts))} ({keep}) | "
+                print(f"| {pair} | {r['kept']} ({keep}) | "
                       f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['weights_mb']} |")
 
 

@@ -85,6 +85,7 @@ def test_srun_tasks_get_the_environment_of_torchrun_ranks(monkeypatch, tmp_path)
     SLURM_PROCID but no step) nothing is set: that is one process, not a rank. Without the port: one line
     that names the flag. (scontrol is a stand-in here: tests/glue/test_slurm.py runs a real Slurm.)"""
     import os
+    import re
 
     from fairseq_moe import compat
     from fairseq_moe.errors import FlagError
@@ -104,11 +105,17 @@ def test_srun_tasks_get_the_environment_of_torchrun_ranks(monkeypatch, tmp_path)
     assert "WORLD_SIZE" not in os.environ and os.environ["RANK"] == "0"
     for key, value in SLURM_STEP.items():
         monkeypatch.setenv(key, value)
+    assert compat.launcher_rank() == 4  # (not the RANK=0 that srun copied from the shell)
     with pytest.raises(FlagError, match="srun started 5 tasks: add --distributed-port P"):
         compat.slurm_as_torchrun(-1)
     assert compat.slurm_as_torchrun(29500) and compat.one_rank_of_a_job()
     assert {key: os.environ[key] for key in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
         "MASTER_ADDR": "gpu7", "MASTER_PORT": "29500", "WORLD_SIZE": "5", "RANK": "4", "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1"}
+    for layout in ("2(x2)", "2,x"):  # (tasks per node that do not make the step's 5)
+        monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", layout)
+        with pytest.raises(FlagError, match=f"SLURM_STEP_TASKS_PER_NODE='{re.escape(layout)}' does not"):
+            compat.slurm_as_torchrun(29500)
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2),1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun inside the step: its environment is kept
     assert not compat.slurm_as_torchrun(29501) and os.environ["MASTER_PORT"] == "29500"

@@ -198,7 +198,8 @@ def test_an_exported_model_of_ours_computes_in_transformers_what_it_computes_her
 
     run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "2", "--moe-expert-count", str(E), *NLLB_LIKE))
     assert export_hf.main([str(tmp_path / "save" / "checkpoint_last.pt"), str(tmp_path / "hf")]) == 0
-    assert "in training only, NllbMoe differs" not in capsys.readouterr().out  # (CF 1, per_choice, policy all)
+    printed = capsys.readouterr().out
+    assert "expert output masking 0.1" in printed and "training capacity" not in printed  # (CF 1, per_choice)
     hf = transformers.NllbMoeForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     (ours,), _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "save" / "checkpoint_last.pt")])
     g = torch.Generator().manual_seed(2)
@@ -226,3 +227,8 @@ def test_what_nllb_moe_cannot_express_is_refused_by_name(data_bin, trained_check
     flags = [f for f in NLLB_LIKE if f not in ("--moe-token-priority", "sentence")]
     run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "1", "--moe-expert-count", str(E), *flags))
     fails(tmp_path / "save" / "checkpoint_last.pt", tmp_path / "hf", "--moe-token-priority position queues tokens")
+    # transformers keeps the first batch's 2 * ceil(T / E) for every later batch: a fraction < 0 is refused
+    run_train(train_argv(data_bin, tmp_path / "save2", "--max-update", "1", "--moe-expert-count", str(E),
+                         *NLLB_LIKE, "--moe-eval-capacity-token-fraction", "-1"))
+    fails(tmp_path / "save2" / "checkpoint_last.pt", tmp_path / "hf", "--moe-eval-capacity-token-fraction -1.0 "
+          "takes the training capacity at evaluation")

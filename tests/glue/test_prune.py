@@ -88,6 +88,15 @@ def test_bad_input_is_one_line_and_writes_nothing(multilingual, tmp_path, capsys
         assert not (tmp_path / "out.pt").exists()
 
 
+def test_a_model_that_does_not_route_by_scores_is_refused(data_bin, tmp_path, capsys):
+    """Hash routing sends token t to expert t mod E: with fewer experts it would be another model."""
+    run_train(train_argv(data_bin, tmp_path / "hash", "--max-update", "1", "--moe-routing", "hash", "--moe-top-k", "1"))
+    assert prune.main([str(tmp_path / "hash" / "checkpoint_last.pt"), str(tmp_path / "out.pt"), "--data", data_bin,
+                       "--keep", "0.5"]) == 2
+    assert "--moe-routing hash does not choose experts by router scores alone" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.slow
 def test_a_pruned_model_generates_on_two_ranks_as_on_one(multilingual, tmp_path):
     from .test_spread_generate import assert_same, generate
@@ -113,14 +122,17 @@ def test_expert_use_by_language_pair(multilingual, tmp_path, capsys):
     use = inspect.expert_use_by_pair(full_path, data)
     assert list(use) == ["en-xx", "en-yy"]
     model, task = load(full_path, data, "en-xx")
-    inputs = {}  # each MoE layer's tokens [T, d], as its gate sees them (eval: every position, pads included)
+    inputs = {}  # each MoE layer's real tokens [T, d], as its gate sees them (padding left out: it is no use)
     hooks = [layer.gate.register_forward_hook(lambda m, args, out, _n=name: inputs.setdefault(_n, []).append(args[0]))
              for name, layer in moe_layers(model)]
     task.load_dataset("test")
     itr = task.get_batch_iterator(dataset=task.dataset("test"), max_tokens=4000, seed=1).next_epoch_itr(shuffle=False)
-    with torch.no_grad():
+    with torch.no_grad(), inspect.padding_kept_out(model):
         for sample in itr:
             model(**sample["net_input"])
+            pads = (sample["net_input"]["src_tokens"] == task.source_dictionary.pad()).sum()
+            assert sum(x.shape[0] for x in inputs[moe_layers(model)[0][0]][-1:]) == sample["net_input"][
+                "src_tokens"].numel() - pads  # (the encoder's layer saw no padding)
     for h in hooks:
         h.remove()
     for name, layer in moe_layers(model):
