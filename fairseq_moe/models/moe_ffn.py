@@ -8,6 +8,7 @@ forward, residual and layer norms stay fairseq's own, so they cannot drift from 
 import contextlib
 import copy
 
+import torch
 from torch import nn
 
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
@@ -28,6 +29,9 @@ class MoEFeedForward(nn.Module):
         self.padding_mask = None  # [B, T] bool, set by the owning layer for one forward
         self.token_ids = None  # [B, T] long, set by the encoder/decoder for one forward (routing by token id)
         self.last_aux = None
+        # The expert statistics by language pair (tasks/expert_stats.py): each sentence's pair [B] (-1: unknown) and
+        # the number of pairs, set by the task for a training step; the latest forward's demand per pair [L, E].
+        self.sentence_labels, self.label_count, self.last_label_demand = None, 0, None
 
     def __deepcopy__(self, memo):
         """A copy (fairseq's --store-ema) without the latest forward's losses: they are not graph leaves, which
@@ -42,14 +46,38 @@ class MoEFeedForward(nn.Module):
         mask = self.padding_mask
         if mask is not None and mask.shape != (x.shape[1], x.shape[0]):
             mask = None  # not x's tokens (incremental decoding passes the step's own [B, 1] mask)
-        if self.moe.policy.slots or self.moe.cfg.token_priority == "sentence":
+        batch_major = self.moe.policy.slots or self.moe.cfg.token_priority == "sentence"
+        if batch_major:
             # Batch-major tokens [B, T, C]: slots mix the tokens of one sentence; the layer queues the tokens for
             # capacity in the order it is given them (--moe-token-priority sentence)
             y, self.last_aux = self.moe(x.transpose(0, 1), mask, token_ids=self.token_ids)
-            return y.transpose(0, 1)
-        ids = None if self.token_ids is None else self.token_ids.t()
-        y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)
+            y = y.transpose(0, 1)
+        else:
+            ids = None if self.token_ids is None else self.token_ids.t()
+            y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)
+        self.last_label_demand = self._demand_by_label(x.shape[0], batch_major, mask)
         return y
+
+    def _demand_by_label(self, T, batch_major, mask):
+        """[L, E] assignments asked for (before capacity, as MoEAux.demand) by the sentences of each label, or None
+        (no labels, or a policy without per-token choices)."""
+        labels, aux = self.sentence_labels, self.last_aux
+        if labels is None or aux is None or aux.shazeer is None or labels.shape[0] * T == 0:
+            return None
+        B = labels.shape[0]
+        per_token = labels[:, None].expand(B, T) if batch_major else labels[None, :].expand(T, B)
+        if mask is not None:  # (the routed tokens: padding left out)
+            per_token = per_token[~(mask if batch_major else mask.t()).bool()]
+        top = aux.shazeer.top_experts  # [tokens, k]
+        if top.shape[0] != per_token.numel():
+            return None
+        L, E = self.label_count, self.moe.cfg.num_experts
+        rows = per_token.reshape(-1, 1).expand_as(top).reshape(-1)
+        known = rows >= 0
+        out = torch.zeros(L * E, dtype=torch.float64, device=top.device)
+        out.index_add_(0, (rows[known] * E + top.reshape(-1)[known]).long(),
+                       torch.ones(int(known.sum()), dtype=torch.float64, device=top.device))
+        return out.view(L, E)
 
 
 class _MoEBlock:

@@ -2,7 +2,8 @@
 
 With --moe-stats-file, every --moe-stats-interval updates, one JSON line with each MoE layer's expert
 load over the interval, from the counts of all ranks: {"update": U, "layers": {name: [fraction of the
-assignments per expert]}, "tokens": {name: n}, "dropped": {name: fraction}, "entropy": {name: nats}}.
+assignments per expert]}, "tokens": {name: n}, "dropped": {name: fraction}, "entropy": {name: nats}}; a
+multilingual task's line also has "pairs": {pair: {name: [fraction of that pair's assignments per expert]}}.
 Validation and generation use the eval capacity (--moe-eval-capacity-token-fraction) with no help from
 the task: MoE layers pick their capacity from model.training, which fairseq sets for them.
 """
@@ -42,7 +43,7 @@ class ExpertLoadLog:
     interval of updates on every rank; at the end of the interval the sums of all ranks are added up
     (a collective: every rank calls maybe_write at every update) and rank 0 writes the line."""
 
-    def __init__(self, path, interval):
+    def __init__(self, path, interval, pairs=None):
         bad = refusal(ExpertStatsConfig, argparse.Namespace(moe_stats_file=path, moe_stats_interval=interval))
         if bad:
             raise FlagError(bad)
@@ -58,23 +59,29 @@ class ExpertLoadLog:
         if not os.access(path if os.path.exists(path) else folder, os.W_OK):
             raise FlagError(f"--moe-stats-file {path}: "
                             + ("the file is not writable" if os.path.exists(path) else f"{folder} is not writable"))
-        self.path, self.interval, self.failed = path, interval, False
-        self.sums = {}  # layer -> [demand per expert..., tokens, dropped * tokens, entropy * tokens]
+        self.path, self.interval, self.failed, self.pairs = path, interval, False, pairs or []
+        # layer -> [demand per expert..., tokens, dropped * tokens, entropy * tokens, demand per pair and expert...]
+        self.sums = {}
 
     def add(self, model):
         for name, block in moe_blocks(model):
             a = block.last_aux
             if a is not None:
                 n = a.num_tokens
+                by_pair = block.last_label_demand
+                if by_pair is None or by_pair.shape[0] != len(self.pairs):
+                    by_pair = torch.zeros(len(self.pairs), block.moe.cfg.num_experts, dtype=torch.float64)
                 row = torch.cat([a.demand.detach().to("cpu", torch.float64), torch.tensor(
-                    [n, a.dropped_fraction * n, float(a.entropy) * n], dtype=torch.float64)])
+                    [n, a.dropped_fraction * n, float(a.entropy) * n], dtype=torch.float64),
+                    by_pair.to("cpu", torch.float64).reshape(-1)])
                 self.sums[name] = self.sums.get(name, 0) + row
 
     def maybe_write(self, update_num, model):
         if update_num % self.interval:
             return
         # The same layout on every rank (a layer without a forward here counts zeros).
-        layout = [(name, block.moe.cfg.num_experts + 3) for name, block in moe_blocks(model)]
+        P = len(self.pairs)
+        layout = [(name, block.moe.cfg.num_experts * (1 + P) + 3) for name, block in moe_blocks(model)]
         flat = torch.cat([self.sums.get(name, torch.zeros(size, dtype=torch.float64)) for name, size in layout])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
@@ -82,8 +89,13 @@ class ExpertLoadLog:
         if dist_utils.get_global_rank() != 0 or not flat.any() or self.failed:
             return
         line = {"update": update_num, "layers": {}, "tokens": {}, "dropped": {}, "entropy": {}}
-        for (name, _), row in zip(layout, torch.split(flat, [size for _, size in layout])):
-            demand, (tokens, dropped, entropy) = row[:-3], row[-3:].tolist()
+        if P:
+            line["pairs"] = {pair: {} for pair in self.pairs}
+        for (name, size), row in zip(layout, torch.split(flat, [size for _, size in layout])):
+            E = (size - 3) // (1 + P)
+            demand, (tokens, dropped, entropy) = row[:E], row[E:E + 3].tolist()
+            for pair, d in zip(self.pairs, row[E + 3:].view(P, E) if P else []):
+                line["pairs"][pair][name] = (d / d.sum().clamp(min=1)).tolist()
             line["layers"][name] = (demand / demand.sum().clamp(min=1)).tolist()
             line["tokens"][name] = int(tokens)
             line["dropped"][name], line["entropy"][name] = dropped / max(tokens, 1), entropy / max(tokens, 1)
@@ -110,7 +122,15 @@ class MoETaskMixin:
         # Every rank counts and checks the flags (so that all stop together on a bad one); rank 0 writes.
         # (getattr: an argparse task's Namespace from a converted checkpoint lacks the flags it never had)
         if getattr(cfg, "moe_stats_file", None):
-            self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval)
+            self.load_log = ExpertLoadLog(cfg.moe_stats_file, cfg.moe_stats_interval, self.stats_pairs())
+
+    def stats_pairs(self):
+        """The language pairs the statistics file groups expert use by (none here: a multilingual task's)."""
+        return None
+
+    def sentence_labels(self, sample):
+        """[B] each sentence's index in stats_pairs() (-1 where it cannot tell), or None."""
+        return None
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -129,7 +149,15 @@ class MoETaskMixin:
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         at_update(model, update_num)  # (LayerDrop: every rank skips the layers drawn for this update)
-        out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        labels = self.sentence_labels(sample) if self.load_log is not None and self.load_log.pairs else None
+        blocks = [block for _, block in moe_blocks(model)] if labels is not None else []
+        for block in blocks:
+            block.sentence_labels, block.label_count = labels, len(self.load_log.pairs)
+        try:
+            out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        finally:
+            for block in blocks:
+                block.sentence_labels = None
         if self.load_log is not None and not ignore_grad:
             self.load_log.add(model)  # each micro-batch of --update-freq
         return out

@@ -1,7 +1,9 @@
 """Task `moe_translation_multi_simple_epoch`: fairseq's multilingual translation_multi_simple_epoch (its language
 tokens, --lang-pairs, sampling over the pairs: the task NLLB-MoE trained with) plus what the MoE tasks add (MoE
 losses and metrics through the criterion, expert statistics, lockstep validation with spread experts:
-expert_stats.py). fairseq 0.12's task is an argparse task, so its flags are added here with the statistics' flags."""
+expert_stats.py), and its statistics file grouped by language pair too (each sentence's pair read off its language
+tokens). fairseq 0.12's task is an argparse task, so its flags are added here with the statistics' flags."""
+import torch
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
@@ -17,3 +19,33 @@ class MoETranslationMultiSimpleEpochTask(MoETaskMixin, TranslationMultiSimpleEpo
     def add_args(parser):
         TranslationMultiSimpleEpochTask.add_args(parser)
         gen_parser_from_dataclass(parser, ExpertStatsConfig())
+
+    def stats_pairs(self):
+        """The pairs, when their language tokens tell every pair apart (--encoder-langtok, --decoder-langtok)."""
+        return self.lang_pairs if len(set(self._pair_tokens().values())) == len(self.lang_pairs) else None
+
+    def _pair_tokens(self):
+        """{pair: (its encoder language token id or None, its decoder language token id or None)}."""
+        enc_spec, dec_spec = self.args.langtoks["main"]
+        tokens = {}
+        for pair in self.lang_pairs:
+            src, tgt = pair.split("-")
+            tokens[pair] = (self.data_manager.get_encoder_langtok(src, tgt, enc_spec),
+                            self.data_manager.get_decoder_langtok(tgt, dec_spec))
+        return tokens
+
+    def sentence_labels(self, sample):
+        """Each sentence's pair, from its language tokens: the first token of the source that is not padding (the
+        encoder's) and the decoder input's second (after eos)."""
+        src, prev = sample["net_input"]["src_tokens"], sample["net_input"].get("prev_output_tokens")
+        first = src.gather(1, src.ne(self.source_dictionary.pad()).long().argmax(1, keepdim=True)).squeeze(1)
+        second = prev[:, 1] if prev is not None and prev.shape[1] > 1 else None
+        labels = torch.full_like(first, -1)
+        for i, (enc, dec) in enumerate(self._pair_tokens().values()):
+            match = torch.ones_like(first, dtype=torch.bool)
+            if enc is not None:
+                match &= first == enc
+            if dec is not None and second is not None:
+                match &= second == dec
+            labels[match & (labels < 0)] = i
+        return labels
