@@ -149,7 +149,8 @@ def slurm_as_torchrun(port):
         raise FlagError(f"srun started {tasks} tasks but their first node is unknown (scontrol show hostnames "
                         f"$SLURM_STEP_NODELIST: {e})") from None
     per_node = []  # SLURM_STEP_TASKS_PER_NODE: "2(x3),1" is 2, 2, 2, 1
-    layout = env.get("SLURM_STEP_TASKS_PER_NODE", "")
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or (str(tasks) if env.get("SLURM_STEP_NUM_NODES", "1") == "1"
+                                                       else "")
     for part in layout.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
         if m is None:

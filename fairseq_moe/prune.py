@@ -15,7 +15,9 @@ rows of the others go with their experts: the pruned model's softmax runs over t
 the full model with the others' router logits at -inf. With top-2 (weights renormalised over the chosen pair), a
 token none of whose choices was pruned is computed exactly as before; a top-1 model's weight is the softmax
 probability, which pruning raises. Capacities given as a fraction of the tokens are unchanged; the training
-capacity (and so an eval fraction < 0) scales with 1 / E.
+capacity (and so an eval fraction < 0) scales with 1 / E. The measurement leaves padding out (it is no use of an
+expert), as --use-moe-pad-mask does: for a model without it and an eval fraction in (0, 1), the capacity during
+the measurement counts the real tokens only, so a few tokens may drop otherwise than in generation.
 
 OUT.pt has no optimizer state and no EMA (fine-tune it with --finetune-from-model); the table of what each layer
 kept is printed. Never overwrites.

@@ -63,6 +63,9 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     # The task loss is a sum over sample_size items (fairseq divides by it later): scale alike.
     loss = loss + sample_size * (cfg.moe_gate_loss_wt * gate_loss + cfg.moe_z_loss_wt * z)
     cmr = [a for a in auxes if a.cmr_gate_sum is not None]
+    if cfg.cmr_gate_loss_wt and not cmr:
+        raise FlagError(f"--cmr-gate-loss-wt {cfg.cmr_gate_loss_wt} weights the gates of --moe-cmr, which the model "
+                        f"does not have")
     if cmr:  # NLLB-MoE's: the gates' mean over every CMR layer's tokens, pulled towards --cmr-gate-loss-p
         used = sum(a.cmr_gate_sum for a in cmr) / max(sum(a.num_tokens for a in cmr), 1e-5)
         if cfg.cmr_gate_loss_wt:

@@ -69,8 +69,8 @@ class MoEFeedForward(nn.Module):
         if mask is not None:  # (the routed tokens: padding left out)
             per_token = per_token[~(mask if batch_major else mask.t()).bool()]
         top = aux.shazeer.top_experts  # [tokens, k]
-        if top.shape[0] != per_token.numel():
-            return None
+        if top.shape[0] != per_token.numel() or int(aux.demand.sum()) != top.numel():
+            return None  # (not these tokens; or a policy that thins the choices, --moe-second-expert-policy random)
         L, E = self.label_count, self.moe.cfg.num_experts
         rows = per_token.reshape(-1, 1).expand_as(top).reshape(-1)
         known = rows >= 0

@@ -84,7 +84,12 @@ class ExpertLoadLog:
         layout = [(name, block.moe.cfg.num_experts * (1 + P) + 3) for name, block in moe_blocks(model)]
         flat = torch.cat([self.sums.get(name, torch.zeros(size, dtype=torch.float64)) for name, size in layout])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat)
+            if dist.get_backend() == "nccl":  # (NCCL reduces CUDA tensors only)
+                on_gpu = flat.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(on_gpu)
+                flat = on_gpu.cpu()
+            else:
+                dist.all_reduce(flat)
         self.sums = {}
         if dist_utils.get_global_rank() != 0 or not flat.any() or self.failed:
             return
@@ -94,8 +99,10 @@ class ExpertLoadLog:
         for (name, size), row in zip(layout, torch.split(flat, [size for _, size in layout])):
             E = (size - 3) // (1 + P)
             demand, (tokens, dropped, entropy) = row[:E], row[E:E + 3].tolist()
-            for pair, d in zip(self.pairs, row[E + 3:].view(P, E) if P else []):
-                line["pairs"][pair][name] = (d / d.sum().clamp(min=1)).tolist()
+            by_pair = row[E + 3:].view(P, E) if P else None
+            if by_pair is not None and by_pair.any():  # (a layer whose policy has no per-token choices: left out)
+                for pair, d in zip(self.pairs, by_pair):
+                    line["pairs"][pair][name] = (d / d.sum().clamp(min=1)).tolist()
             line["layers"][name] = (demand / demand.sum().clamp(min=1)).tolist()
             line["tokens"][name] = int(tokens)
             line["dropped"][name], line["entropy"][name] = dropped / max(tokens, 1), entropy / max(tokens, 1)

@@ -21,8 +21,13 @@ class MoETranslationMultiSimpleEpochTask(MoETaskMixin, TranslationMultiSimpleEpo
         gen_parser_from_dataclass(parser, ExpertStatsConfig())
 
     def stats_pairs(self):
-        """The pairs, when their language tokens tell every pair apart (--encoder-langtok, --decoder-langtok)."""
-        return self.lang_pairs if len(set(self._pair_tokens().values())) == len(self.lang_pairs) else None
+        """The pairs, when their language tokens tell every pair apart (--encoder-langtok, --decoder-langtok) where
+        sentence_labels reads them (not with --lang-tok-replacing-bos-eos or --left-pad-target)."""
+        moved = [flag for flag in ("lang_tok_replacing_bos_eos", "left_pad_target")
+                 if str(getattr(self.args, flag, False)).lower() in ("true", "1")]
+        if moved or len(set(self._pair_tokens().values())) != len(self.lang_pairs):
+            return None
+        return self.lang_pairs
 
     def _pair_tokens(self):
         """{pair: (its encoder language token id or None, its decoder language token id or None)}."""

@@ -154,3 +154,7 @@ def test_the_cmr_loss_pulls_the_mean_gate_to_p(data_bin, tmp_path):
     assert 0 < used < 1 and all(a.cmr_gate_sum.requires_grad for a in auxes)
     assert loss.item() == pytest.approx(base.item() + sample_size * 0.5 * abs(used - 0.8), rel=1e-5)
     assert log["moe_cmr_gate"] == pytest.approx(used * sample_size, rel=1e-5)
+    from fairseq_moe.errors import FlagError
+
+    with pytest.raises(FlagError, match="--cmr-gate-loss-wt 0.5 weights the gates of --moe-cmr, which the model"):
+        losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", "--cmr-gate-loss-wt", "0.5")
