@@ -109,6 +109,15 @@ REFUSALS = (
             "losses in the graph and does not offload); use --checkpoint-activations",
             "MoE layers use torch's non-reentrant checkpoint, so that the router losses keep their gradients",
             {"flags": {"offload_activations": True}}),
+    Refusal("routing by token id with activation checkpointing", ("--moe-routing", "--checkpoint-activations"),
+            "build",
+            lambda c: bool(c.flag("checkpoint_activations", False)) and bool(
+                getattr(ROUTINGS.get(c.flag("moe_routing")), "needs_token_ids", False)),
+            lambda c: f"--moe-routing {c.flag('moe_routing')} routes by token id, which --checkpoint-activations' "
+            f"recompute in the backward pass no longer has: leave one of them out",
+            "the token ids reach the MoE blocks for one forward (models/moe_ffn.token_ids); the checkpointed "
+            "forward is recomputed during backward, after that",
+            {"flags": {"moe_routing": _first(lambda p: p.needs_token_ids), "checkpoint_activations": True}}),
     Refusal("token-mixing routing in a decoder", ("--moe-routing", "--decoder-moe-freq"), "build",
             lambda c: _mixes(c.flag("moe_routing")) and bool(c.flag("moe_decoder_layer_ids")),
             lambda c: f"--moe-routing {c.flag('moe_routing')} cannot be used in decoder layers: it mixes the tokens "
