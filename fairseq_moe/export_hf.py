@@ -35,11 +35,11 @@ _RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".en
 
 def _flags(state, path):
     model = state.get("cfg", {}).get("model") if isinstance(state.get("cfg"), dict) else None
-    if not isinstance(model, Namespace) or getattr(model, "_name", None) not in ("moe_transformer",) and not str(
-            getattr(model, "arch", "")).startswith("moe_transformer"):
+    arch = str(getattr(model, "arch", "")) if isinstance(model, Namespace) else ""
+    if not arch.startswith("moe_transformer"):
         raise CheckpointError(f"{path} is not a moe_transformer checkpoint (cfg.model): NllbMoe is an encoder-"
                               f"decoder; export translation models")
-    if str(getattr(model, "arch", "")).startswith("moe_transformer_lm"):
+    if arch.startswith("moe_transformer_lm"):
         raise CheckpointError(f"{path} is a language model (--arch {model.arch}): NllbMoe is an encoder-decoder")
     return vars(model)
 

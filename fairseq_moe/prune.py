@@ -34,6 +34,7 @@ from . import expert_checkpoint as shards
 from .errors import FlagError
 from .new_files import refuse_existing, write_new
 from .reshard import read_any, run_tool
+from .upcycle import moe_checkpoint
 
 
 def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
@@ -58,7 +59,7 @@ def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
     return n, kept
 
 
-def pruned_state(state, kept, n, made_by):
+def pruned_state(state, kept, n, made_by, path):
     """state with each MoE layer's experts, router rows and balancing bias cut to kept[layer], E = n."""
     model = dict(state["model"])
     for name, ids in kept.items():
@@ -71,13 +72,8 @@ def pruned_state(state, kept, n, made_by):
             elif rest.startswith("gate."):  # (a gate with more than one row per expert: not cut here)
                 raise FlagError(f"{key}: the router of --moe-gate {state['cfg']['model'].moe_gate} keeps state "
                                 f"that this tool does not cut per expert; prune linear-gated models")
-    cfg = dict(state["cfg"])
-    cfg["model"] = Namespace(**dict(vars(cfg["model"]), moe_expert_count=n))
-    extra = {k: v for k, v in shards.without_ema(state.get("extra_state")).items() if k != "moe_checkpoint"}
-    extra[shards.MADE_BY] = made_by
-    out = {k: v for k, v in state.items() if k != "last_optimizer_state"}
-    out.update(model=model, cfg=cfg, extra_state=extra, args=None)
-    return out
+    # (as upcycle and convert write theirs: no optimizer state, no EMA, marked made_by)
+    return moe_checkpoint(state, model, dict(vars(state["cfg"]["model"]), moe_expert_count=n), path, made_by)
 
 
 def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,
@@ -133,7 +129,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
               for name, ids in kept.items()}
     pruned = pruned_state(state, kept, n, {
         "what": f"pruned by fairseq_moe.prune to {n} of {E} experts per layer", "subset": subset,
-        "lang_pairs": lang_pairs or ",".join(task_pairs or []), "sentences": sentences, "kept": kept})
+        "lang_pairs": lang_pairs or ",".join(task_pairs or []), "sentences": sentences, "kept": kept}, ckpt)
     write_new(out, lambda save: save(pruned, out))
     return n, E, report
 
