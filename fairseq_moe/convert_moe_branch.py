@@ -16,7 +16,8 @@ they were (--encoder/--decoder-moe-freq), --moe-expert-count, top-1 or top-2, th
 probability normalisation, batch-prioritised routing, the pad mask, fp32 gating, NLLB's expert and final output
 masking (--moe-eom, --moe-fom) and its conditional MoE routing (--moe-cmr: the layer's dense FFN becomes the one
 shared expert, the CMR gate mixes it with the experts), the capacity (training and eval: --moe-capacity-rounding
-per_choice) and which tokens an expert takes first at capacity (--moe-token-priority sentence). The optimizer
+per_choice; with the pad mask it counts the padding too: --moe-capacity-counts-padding) and which tokens an expert
+takes first at capacity (--moe-token-priority sentence). The optimizer
 state is not converted (continue training with --finetune-from-model). What cannot be mapped is refused, naming
 the key: BASE layers, dense "pseudo-MoE" layers of another width, FSDP-sharded files, tasks other than
 translation, translation_multi_simple_epoch (NLLB's: it becomes moe_translation_multi_simple_epoch) and language
@@ -258,12 +259,14 @@ def convert(prefix, out):
         if not 0 <= p < 1:
             raise CheckpointError(f"{shared_path}: cfg.model.{key} = {p!r} is not a probability in [0, 1): not "
                                   f"converted")
+    pad_mask = _field(cfg, "use_moe_pad_mask", bool, False, shared_path)
     name = "moe_transformer" if "encoder" in sides else "moe_transformer_lm"
     cfg.update(_name=name, arch=name, moe_expert_count=E, moe_freq=0, decoder_moe_freq=freqs["decoder"],
                moe_top_k=1 if top1 else 2, moe_top1_expert=top1, moe_gate="linear", moe_routing=TopK.name,
                moe_expert_ffn_dim=None,  # (the moe branch ignores it: an expert is as wide as its side's FFN)
                # the moe branch's capacity: k * ceil(T / E) in training, its tokens queued sentence by sentence
                moe_capacity_factor=1.0, moe_capacity_rounding="per_choice", moe_token_priority="sentence",
+               moe_capacity_counts_padding=pad_mask,  # (with the pad mask, the moe branch counts padding too)
                # the moe branch: a fraction > 0 gives ceil(fraction * T) at eval, anything else the training capacity
                moe_eval_capacity_token_fraction=fraction if fraction > 0 else -1.0,
                moe_second_expert_policy=policy, moe_normalize_gate_prob_before_dropping=normalize, **masking,

@@ -100,8 +100,9 @@ def nllb_config(a, moe_layers, vocab):
          "transformers' NllbMoe fixes at its first batch's (export a model with a fraction >= 0, e.g. after "
          "--model-overrides, or 0: dropless)")
     drops = 0 < frac < 1
-    need(not (drops and a.get("use_moe_pad_mask")), "--use-moe-pad-mask", "with tokens dropped at evaluation counts "
-         "the real tokens for the capacity; NllbMoe counts the padding too")
+    need(not (drops and a.get("use_moe_pad_mask") and not a.get("moe_capacity_counts_padding")),
+         "--use-moe-pad-mask", "without --moe-capacity-counts-padding, with tokens dropped at evaluation, counts the "
+         "real tokens only for the capacity; NllbMoe counts the padding too")
     need(not drops or a.get("moe_token_priority", "position") == "sentence",
          f"--moe-token-priority {a.get('moe_token_priority', 'position')}", "queues tokens position by position "
          "(NllbMoe: sentence by sentence)")

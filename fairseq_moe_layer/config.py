@@ -50,6 +50,10 @@ class LayerSettings:
                     "second one): position by position across the sentences of a batch (fairseq's time-major "
                     "activations: GShard's order), or sentence by sentence (batch-major: fairseq's moe branch and "
                     "NLLB-MoE)", choices=("position", "sentence"))
+    capacity_counts_padding: bool = setting(
+        False, "with --use-moe-pad-mask: the capacity counts every position of the batch, padding too, while the "
+               "padding is still routed nowhere (fairseq's moe branch and NLLB-MoE, which trained with the pad mask); "
+               "off: the capacity counts the real tokens only")
     eval_capacity_token_fraction: float = setting(
         0.25, "at validation/generation: ceil(FR * T) per expert; < 0: as training; 0: dropless (tiny archs: 0)",
         le=1, note="(< 0: as training, 0: dropless, else a fraction of the tokens)", metavar="FR")
@@ -132,6 +136,8 @@ class LayerSettings:
         for name in ("expert_output_masking", "final_output_masking", "cmr"):
             if policy.slots and getattr(self, name):
                 bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
+        if self.capacity_counts_padding and (policy.slots or policy.name == "dense"):
+            bad("capacity_counts_padding", f"has no capacity to set with --moe-routing {self.routing}")
         if not policy.dropless and not self.capacity_factor > 0:
             bad("capacity_factor", f"must be > 0 with --moe-routing {self.routing} (it has no dropless form)")
         for other in ROUTINGS.values():  # another policy's options keep their defaults

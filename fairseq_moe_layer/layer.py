@@ -104,8 +104,9 @@ class MoELayer(nn.Module):
             self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         bias = getattr(self, "routing_bias", None)
-        r = policy.route(logits, k, cfg.capacity(T, self.training), cfg, self.training, router=router, bias=bias,
-                         token_ids=token_ids)
+        counted = shape[:-1].numel() if cfg.capacity_counts_padding else T  # (the padding too: NLLB-MoE's capacity)
+        r = policy.route(logits, k, cfg.capacity(counted, self.training), cfg, self.training, router=router,
+                         bias=bias, token_ids=token_ids)
         if bias is not None and self.training:
             self._demand = r.demand.detach().float() + (0 if self._demand is None else self._demand)
         weights = self._masked(r.weights, cfg.expert_output_masking)  # [N] (each expert output: --moe-eom)

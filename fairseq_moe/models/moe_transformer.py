@@ -109,6 +109,9 @@ def moe_config(args, side):
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
         **{name: getattr(args, flag) for flag, name in LAYER_FLAGS.items()})
+    if cfg.capacity_counts_padding and not getattr(args, "use_moe_pad_mask", False):
+        raise FlagError("--moe-capacity-counts-padding needs --use-moe-pad-mask (without it the padding is routed "
+                        "like a token, and counted as one already)")
     if cfg.cmr and cfg.shared_experts == 0:  # (NLLB's --moe-cmr brings its dense FFN: the one shared expert)
         cfg = dataclasses.replace(cfg, shared_experts=1)
     try:

@@ -91,11 +91,13 @@ class PlainMoE(nn.Module):
     """The moe branch's MOELayer at eval (docs/moe_branch.md, section 3), one token at a time: tokens in
     batch-major order, capacity ceil(fraction * S) for a fraction > 0, else the training capacity 2 * ceil(S / E)
     (top-2) or ceil(S / E) (top-1), first choices queued before second ones, top-2 weights renormalised over the
-    kept choices, top-1 the raw probability, FFN_e = fc2(relu(fc1(x)))."""
+    kept choices, top-1 the raw probability, FFN_e = fc2(relu(fc1(x))). With use_moe_pad_mask, self.pad [B, T]
+    (set before each call): the padding is routed nowhere, but S counts it."""
 
     def __init__(self, weights, layer, top1, fraction, eom=0.0, fom=0.0):
         super().__init__()
         self.w, self.layer, self.top1, self.fraction, self.eom, self.fom = weights, layer, top1, fraction, eom, fom
+        self.pad = None
 
     def forward(self, x):  # [T, B, C] -> [T, B, C]
         T, B, C = x.shape
@@ -106,13 +108,14 @@ class PlainMoE(nn.Module):
         capacity = math.ceil(self.fraction * S) if self.fraction > 0 else (1 if self.top1 else 2) * math.ceil(S / E)
         first = probs.argmax(-1).tolist()
         second = probs.scatter(1, probs.argmax(-1, keepdim=True), -1.0).argmax(-1).tolist()
+        routed = [True] * S if self.pad is None else (~self.pad.reshape(-1)).tolist()
         count = [0] * E
-        keep1, keep2 = [], []
-        for s in range(S):
-            keep1.append(count[first[s]] < capacity)
+        keep1, keep2 = [False] * S, [False] * S
+        for s in filter(routed.__getitem__, range(S)):
+            keep1[s] = count[first[s]] < capacity
             count[first[s]] += 1
-        for s in range(S):
-            keep2.append(not self.top1 and count[second[s]] < capacity)
+        for s in filter(routed.__getitem__, range(S)):
+            keep2[s] = not self.top1 and count[second[s]] < capacity
             count[second[s]] += 1
         out = torch.zeros_like(tokens)
         for s in range(S):
@@ -149,19 +152,27 @@ def reference_model(weights, cfg, top1):
         layer = model.get_submodule(name)
         layer.fc1 = PlainMoE(weights, name, top1, cfg["model"].moe_eval_capacity_token_fraction,
                              getattr(cfg["model"], "moe_eom", 0.0), getattr(cfg["model"], "moe_fom", 0.0))
+        layer.fc1.use_pad_mask = getattr(cfg["model"], "use_moe_pad_mask", False)
         layer.fc2, layer.activation_dropout_module = nn.Identity(), nn.Identity()
         layer.activation_fn = lambda t: t
     return model, task
 
 
 def forward(model, task):
+    """The model's logits on 3 random sentences, padded (routed like any token: the moe branch's default without
+    --use-moe-pad-mask; with it, routed nowhere): the targets on the right, the sources on the left."""
     g = torch.Generator().manual_seed(0)
     d = task.target_dictionary
     x = torch.randint(d.nspecial, len(d), (3, 9), generator=g)
-    x[2, 6:] = d.pad()  # (routed like any token: the moe branch's default without --use-moe-pad-mask)
+    x[2, 6:] = d.pad()
+    src = torch.randint(d.nspecial, len(d), (3, 7), generator=g)
+    src[1, :2] = d.pad()
+    for m in model.modules():  # (the plain loop's padding mask: what the moe branch's layers are given)
+        if isinstance(m, PlainMoE) and getattr(m, "use_pad_mask", False):
+            m.pad = src.eq(d.pad()) if m.layer.startswith("encoder.") else x.eq(d.pad())
     with torch.no_grad():
         if hasattr(model, "encoder"):
-            return model(torch.randint(d.nspecial, len(d), (3, 7), generator=g), torch.full((3,), 7), x)[0]
+            return model(src, torch.tensor([7, 5, 7]), x)[0]
         return model(x)[0]
 
 
@@ -171,7 +182,9 @@ def forward(model, task):
 @pytest.mark.parametrize("kind, ranks, top1, masking", [
     ("mt", 1, False, {}), ("mt", 2, True, {}), ("mt", 8, False, {}), ("lm", 4, False, {}), ("lm", 2, True, {}),
     ("mt", 2, False, dict(moe_eom=0.2, moe_fom=0.1)),  # NLLB-MoE's expert and final output masking (1 - p at eval)
-    ("mt", 4, False, dict(cmr=True, moe_eom=0.2))])  # NLLB's conditional MoE routing (CMR)
+    ("mt", 4, False, dict(cmr=True, moe_eom=0.2)),  # NLLB's conditional MoE routing (CMR)
+    # NLLB-MoE's training flag: padding routed nowhere, but the capacity counts it
+    ("mt", 2, False, dict(use_moe_pad_mask=True)), ("lm", 1, True, dict(use_moe_pad_mask=True))])
 def test_converted_model_computes_what_the_moe_branch_computed(saved, tmp_path, kind, ranks, top1, masking, fraction):
     weights, cfg = write_moe_branch_set(saved[kind], str(tmp_path / "model"), ranks, top1,
                                         moe_eval_capacity_token_fraction=fraction, **masking)

@@ -73,6 +73,9 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--moe-second-expert-policy", "sampling", "--moe-top-k", "1"), "--moe-second-expert-policy"),
     (("--moe-batch-prioritized-routing", "--moe-random-token-selection"), "--moe-random-token-selection"),
     (("--quant-noise-pq", "0.1"), "--quant-noise-pq"),  # would skip the experts
+    (("--moe-capacity-counts-padding",), "--moe-capacity-counts-padding needs --use-moe-pad-mask"),
+    (("--moe-capacity-counts-padding", "--use-moe-pad-mask", "--moe-routing", "dense"),
+     "--moe-capacity-counts-padding (capacity_counts_padding) has no capacity to set with --moe-routing dense"),
     (("--moe-stats-file", "/nonexistent/folder/x.jsonl"), "--moe-stats-file"),
     (("--moe-stats-file", "stats.jsonl", "--moe-stats-interval", "0"), "--moe-stats-interval"),
     (("--moe-stats-file", "/dev/full"), "--moe-stats-file /dev/full is not a regular file"),

@@ -3,6 +3,7 @@ groups expert use by language pair, each sentence's pair read off its language t
 that the sentence's own words give away (en-xx targets are upper-case, en-yy targets doubled lower-case words)."""
 import json
 
+import pytest
 import torch
 
 from .helpers import ML_ARGS, build, run_train, train_argv
@@ -51,3 +52,30 @@ def test_the_statistics_file_groups_expert_use_by_pair(ml_data_bin, tmp_path):
                          "--moe-second-expert-policy", "random"))
     (line,) = [json.loads(x) for x in thinned.read_text().splitlines()]
     assert line["layers"] and line["pairs"] == {"en-xx": {}, "en-yy": {}}
+
+
+@pytest.mark.slow
+def test_two_ranks_count_each_pair_as_one_process_does(ml_data_bin, tmp_path):
+    """2 ranks (2 experts each) against 1 process with --update-freq 2, the same global batches: every statistics
+    line, per pair and per layer, is the one process's (each rank labels its own sentences; the counts are
+    summed over the ranks)."""
+    from .test_expert_parallel import COMMON, Launched
+
+    def argv(name, *extra):
+        return train_argv(ml_data_bin, tmp_path / name, *ML_ARGS, "--share-all-embeddings", *COMMON,
+                          "--moe-stats-file", str(tmp_path / f"{name}.jsonl"), "--moe-stats-interval", "2", *extra)
+
+    many = Launched(2, tmp_path / "many", argv("many"))
+    run_train(argv("one", "--update-freq", "2"))
+    many.result()
+    one, two = ([json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                for name in ("one", "many"))
+    assert [line["update"] for line in two] == [2, 4] and len(one) == len(two)
+    for a, b in zip(one, two):
+        assert a["tokens"] == b["tokens"] and set(a["pairs"]) == set(b["pairs"]) == {"en-xx", "en-yy"}
+        for pair in a["pairs"]:
+            assert a["pairs"][pair].keys() == b["pairs"][pair].keys() == a["layers"].keys()
+            for name in a["pairs"][pair]:
+                assert a["pairs"][pair][name] == pytest.approx(b["pairs"][pair][name], rel=1e-5, abs=1e-9)
+        for name in a["layers"]:
+            assert a["layers"][name] == pytest.approx(b["layers"][name], rel=1e-5, abs=1e-9)

@@ -91,7 +91,8 @@ def write_as_fairseq(hf, ours, prefix, **moe_flags):
         layernorm_embedding=False, no_scale_embedding=False, activation_fn="relu", dropout=0.0,
         moe_expert_count=E, moe_freq=c.encoder_sparse_step, moe_top1_expert=False, moe_gating_use_fp32=True,
         moe_second_expert_policy="all", moe_normalize_gate_prob_before_dropping=False,
-        moe_batch_prioritized_routing=False, use_moe_pad_mask=False, moe_eom=c.moe_token_dropout, moe_fom=0.0,
+        moe_batch_prioritized_routing=False, use_moe_pad_mask=not c.router_ignore_padding_tokens,  # (its default)
+        moe_eom=c.moe_token_dropout, moe_fom=0.0,
         moe_eval_capacity_token_fraction=c.moe_eval_capacity_token_fraction, **moe_flags)
     cfg = dict(ours["cfg"], model=argparse.Namespace(**args))
     task = cfg["task"]
@@ -109,8 +110,8 @@ def write_as_fairseq(hf, ours, prefix, **moe_flags):
 
 def logits(hf, ours, src, prev):
     with torch.no_grad():
-        theirs = hf(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=prev).logits
-        mine = ours(src, torch.full((src.shape[0],), src.shape[1]), prev)[0]
+        theirs = hf(input_ids=src, attention_mask=src.ne(1).long(), decoder_input_ids=prev).logits
+        mine = ours(src, src.ne(1).sum(1), prev)[0]
     return theirs, mine
 
 
@@ -120,10 +121,15 @@ def logits(hf, ours, src, prev):
     ("translation", dict(moe_eval_capacity_token_fraction=-1.0)),  # the training capacity, 2 * ceil(T / E)
     ("translation", dict(moe_token_dropout=0.2)),  # expert output masking: x 0.8 at eval
     ("translation_multi_simple_epoch", dict(moe_token_dropout=0.2, moe_eval_capacity_token_fraction=0.25)),
+    # sources left-padded, NLLB's --use-moe-pad-mask (NllbMoe's default): the padding is routed nowhere, but the
+    # capacity ceil(0.25 * T) counts it
+    ("translation", dict(moe_eval_capacity_token_fraction=0.25, padded=True)),
 ])
 def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, tmp_path, task, changes):
     data, saved = fairseq_cfg[task]
     vocab = saved["model"]["encoder.embed_tokens.weight"].shape[0]
+    changes = dict(changes)
+    padded = changes.pop("padded", False)
     hf = tiny_nllb_moe(vocab, **changes)
     write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
     out = tmp_path / "converted.pt"
@@ -134,12 +140,81 @@ def test_a_converted_nllb_moe_computes_what_transformers_computes(fairseq_cfg, t
     assert len(fairseq_task.source_dictionary) == vocab
     g = torch.Generator().manual_seed(1)
     src = torch.randint(4, vocab, (3, 11), generator=g)
+    if padded:
+        src[0, :4], src[2, :2] = 1, 1
     prev = torch.cat([torch.full((3, 1), 2), torch.randint(4, vocab, (3, 8), generator=g)], 1)
     theirs, mine = logits(hf, ours.eval(), src, prev)
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     if changes.get("moe_eval_capacity_token_fraction", 1.0) < 1:  # tokens were dropped, and it mattered
         full, _ = logits(tiny_nllb_moe(vocab, **dict(changes, moe_eval_capacity_token_fraction=1.0)), ours, src, prev)
         assert not torch.allclose(full, theirs, rtol=1e-3, atol=1e-3)
+
+
+def greedy_in_transformers(hf, src, prefix, steps):
+    """transformers' greedy search (its generate, incremental, with its cache) from decoder input prefix, fairseq's
+    bans applied (never pad, no eos in the first steps if steps is a forced length): the tokens after prefix and
+    the log-probability of each."""
+    forced = {} if steps[0] is None else dict(min_new_tokens=steps[0])
+    with torch.no_grad():
+        out = hf.generate(input_ids=src, attention_mask=src.ne(1).long(), decoder_input_ids=prefix, num_beams=1,
+                          do_sample=False, max_new_tokens=steps[1], suppress_tokens=[1], output_logits=True,
+                          return_dict_in_generate=True, **forced)
+    new = out.sequences[:, prefix.shape[1]:]
+    return new, torch.stack(out.logits, 1).float().log_softmax(-1).gather(2, new[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("task, changes", [
+    # 3 sentences at capacity, sentence by sentence: ceil(0.25 * 3) = 1 slot per expert at each decoder step
+    ("translation", dict(moe_token_dropout=0.2, moe_eval_capacity_token_fraction=0.25)),
+    # NLLB's evaluation (nothing dropped) with its task: a batch of the test set, left-padded, the target's
+    # language token as the prefix
+    ("translation_multi_simple_epoch", dict(moe_token_dropout=0.2)),
+])
+def test_a_converted_nllb_moe_generates_what_transformers_generates(fairseq_cfg, tmp_path, task, changes):
+    """Greedy search through fairseq's generator, as fairseq-generate runs it (the task's build_generator and
+    inference_step, --beam 1, incremental decoding with its cache) against transformers' generate: the same
+    tokens, and each token's log-probability equal to 1e-5."""
+    from fairseq.dataclass.configs import GenerationConfig
+
+    data, saved = fairseq_cfg[task]
+    vocab = saved["model"]["encoder.embed_tokens.weight"].shape[0]
+    hf = tiny_nllb_moe(vocab, **changes)
+    with torch.no_grad():  # (a random model's log-probabilities are nearly flat: peaked ones make its choices count)
+        hf.model.shared.weight.mul_(10)
+    write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
+    assert convert_moe_branch.main([str(tmp_path / "nllb"), str(tmp_path / "converted.pt")]) == 0
+    overrides = {"data": data} if task == "translation" else {"data": data, "source_lang": "en", "target_lang": "yy"}
+    (ours,), _, fairseq_task = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "converted.pt")],
+                                                                            arg_overrides=overrides)
+    if task == "translation":  # forced length 6: every sentence stays in the batch (fairseq drops finished ones)
+        generation = GenerationConfig(beam=1, min_len=6, max_len_a=0, max_len_b=6)
+        src = torch.randint(4, vocab, (3, 11), generator=torch.Generator().manual_seed(1))
+        src[:, -1] = 2
+        sample = {"id": torch.arange(3), "net_input": {"src_tokens": src, "src_lengths": torch.full((3,), 11)}}
+        prefix, steps = torch.full((3, 1), 2), (6, 6)
+    else:
+        generation = GenerationConfig(beam=1, max_len_a=0, max_len_b=12)
+        fairseq_task.load_dataset("test")
+        sample = next(iter(fairseq_task.get_batch_iterator(fairseq_task.dataset("test"), max_sentences=6)
+                           .next_epoch_itr(shuffle=False)))
+        src = sample["net_input"]["src_tokens"]
+        assert src.eq(1).any()  # (left-padded)
+        langtok = fairseq_task.source_dictionary.index("__yy__")
+        prefix, steps = torch.tensor([[2, langtok]]).expand(len(src), 2), (None, 11)
+    hyps = fairseq_task.inference_step(fairseq_task.build_generator([ours.eval()], generation), [ours], sample)
+    tokens, scores = greedy_in_transformers(hf, src, prefix, steps)
+    for hyp, theirs, their_scores in zip(hyps, tokens, scores):
+        mine, my_scores = hyp[0]["tokens"][prefix.shape[1] - 1:], hyp[0]["positional_scores"][prefix.shape[1] - 1:]
+        if len(mine) > steps[1]:  # (fairseq's eos at its maximum length, forced: not transformers' choice)
+            mine, my_scores = mine[:-1], my_scores[:-1]
+        n = len(mine)
+        assert mine.tolist() == theirs[:n].tolist()
+        torch.testing.assert_close(my_scores, their_scores[:n], rtol=1e-5, atol=1e-5)
+        assert theirs[n:].eq(1).all()  # (transformers pads a sentence after its eos)
+    if changes.get("moe_eval_capacity_token_fraction", 1.0) < 1:  # tokens were dropped, and it mattered
+        _, full = greedy_in_transformers(tiny_nllb_moe(vocab, **dict(changes, moe_eval_capacity_token_fraction=1.0)),
+                                         src, prefix, steps)
+        assert not torch.allclose(full, scores, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow
@@ -187,13 +262,13 @@ def test_convert_export_convert_is_bit_identical(fairseq_cfg, tmp_path):
 NLLB_LIKE = ("--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
              "--moe-capacity-rounding", "per_choice", "--moe-token-priority", "sentence", "--moe-eom", "0.1",
              "--moe-eval-capacity-token-fraction", "0.25", "--moe-freq", "1", "--encoder-layers", "2",
-             "--decoder-layers", "2")
+             "--decoder-layers", "2", "--use-moe-pad-mask", "--moe-capacity-counts-padding")
 
 
 def test_an_exported_model_of_ours_computes_in_transformers_what_it_computes_here(data_bin, tmp_path, capsys):
     """A model trained here with flags NllbMoe can express (2 updates; every layer MoE; tokens dropped at
-    evaluation, sentence by sentence; expert output masking) gives transformers' NllbMoe its logits; what differs
-    in training only is listed."""
+    evaluation, sentence by sentence; expert output masking; the pad mask, the padding counted for the capacity)
+    gives transformers' NllbMoe its logits on left-padded sources; what differs in training only is listed."""
     from fairseq_moe import export_hf
 
     run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "2", "--moe-expert-count", str(E), *NLLB_LIKE))
@@ -204,6 +279,7 @@ def test_an_exported_model_of_ours_computes_in_transformers_what_it_computes_her
     (ours,), _, _ = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "save" / "checkpoint_last.pt")])
     g = torch.Generator().manual_seed(2)
     src = torch.randint(4, hf.config.vocab_size, (3, 13), generator=g)
+    src[1, :5] = 1
     prev = torch.cat([torch.full((3, 1), 2), torch.randint(4, hf.config.vocab_size, (3, 7), generator=g)], 1)
     theirs, mine = logits(hf, ours.eval(), src, prev)
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
@@ -227,6 +303,10 @@ def test_what_nllb_moe_cannot_express_is_refused_by_name(data_bin, trained_check
     flags = [f for f in NLLB_LIKE if f not in ("--moe-token-priority", "sentence")]
     run_train(train_argv(data_bin, tmp_path / "save", "--max-update", "1", "--moe-expert-count", str(E), *flags))
     fails(tmp_path / "save" / "checkpoint_last.pt", tmp_path / "hf", "--moe-token-priority position queues tokens")
+    flags = [f for f in NLLB_LIKE if f != "--moe-capacity-counts-padding"]
+    run_train(train_argv(data_bin, tmp_path / "save1", "--max-update", "1", "--moe-expert-count", str(E), *flags))
+    fails(tmp_path / "save1" / "checkpoint_last.pt", tmp_path / "hf", "--use-moe-pad-mask without "
+          "--moe-capacity-counts-padding, with tokens dropped at evaluation, counts the real tokens only")
     # transformers keeps the first batch's 2 * ceil(T / E) for every later batch: a fraction < 0 is refused
     run_train(train_argv(data_bin, tmp_path / "save2", "--max-update", "1", "--moe-expert-count", str(E),
                          *NLLB_LIKE, "--moe-eval-capacity-token-fraction", "-1"))

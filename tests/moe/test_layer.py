@@ -169,6 +169,26 @@ def test_padding_is_skipped():
     torch.testing.assert_close(aux.entropy, auxn.entropy)
 
 
+def test_the_capacity_can_count_the_padding():
+    """capacity_counts_padding (NLLB-MoE's capacity with its pad mask): the padding still goes nowhere, but the
+    capacity is the one of all B x T positions: the oracle on the real tokens alone at that capacity."""
+    layer = make_layer(top_k=2, capacity_factor=1.0, capacity_counts_padding=True)
+    B, T = 3, 7
+    x = torch.randn(B, T, 12, dtype=torch.float64)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, 3:], pad[2, 2:] = True, True
+    y, aux = layer(x, pad)
+    assert y[pad].abs().max() == 0 and aux.num_tokens == int((~pad).sum())
+    e = {n: t.detach() for n, t in layer.named_parameters()}
+    C = layer.cfg.capacity(B * T, training=True)
+    assert C > layer.cfg.capacity(int((~pad).sum()), training=True)
+    expected = moe_oracle(x[~pad], e["gate.weight"], e["experts.w1"], e["experts.b1"], e["experts.w2"],
+                          e["experts.b2"], 2, capacity=C)
+    torch.testing.assert_close(y[~pad], expected.detach())
+    counted_real = make_layer(top_k=2, capacity_factor=1.0)(x, pad)[0]  # (the default: only the real tokens count)
+    assert not torch.allclose(counted_real, y)
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_all_padding(training):
     layer = make_layer(top_k=2, capacity_factor=1.0).train(training)
