@@ -41,16 +41,19 @@ class MoETranslationMultiSimpleEpochTask(MoETaskMixin, TranslationMultiSimpleEpo
 
     def sentence_labels(self, sample):
         """Each sentence's pair, from its language tokens: the first token of the source that is not padding (the
-        encoder's) and the decoder input's second (after eos)."""
+        encoder's) and the decoder input's second (after eos); the first pair that matches both, -1 where none does.
+        One [B, P] comparison (NLLB-200 trains thousands of directions)."""
         src, prev = sample["net_input"]["src_tokens"], sample["net_input"].get("prev_output_tokens")
         first = src.gather(1, src.ne(self.source_dictionary.pad()).long().argmax(1, keepdim=True)).squeeze(1)
         second = prev[:, 1] if prev is not None and prev.shape[1] > 1 else None
-        labels = torch.full_like(first, -1)
-        for i, (enc, dec) in enumerate(self._pair_tokens().values()):
-            match = torch.ones_like(first, dtype=torch.bool)
-            if enc is not None:
-                match &= first == enc
-            if dec is not None and second is not None:
-                match &= second == dec
-            labels[match & (labels < 0)] = i
-        return labels
+        if getattr(self, "_pair_ids", None) is None:  # [2, P] (-1: that side has no language token), built once
+            pairs = list(self._pair_tokens().values())
+            self._pair_ids = torch.tensor([[-1 if t is None else t for t in side] for side in zip(*pairs)] if pairs
+                                          else [[], []], dtype=torch.long)
+        enc, dec = self._pair_ids.to(first.device)
+        match = (enc < 0) | (first.unsqueeze(1) == enc)  # [B, P]
+        if second is not None:
+            match &= (dec < 0) | (second.unsqueeze(1) == dec)
+        if not match.shape[1]:
+            return torch.full_like(first, -1)
+        return torch.where(match.any(1), match.long().argmax(1), torch.full_like(first, -1))
