@@ -272,6 +272,7 @@ def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_pa
             "data_parallel_size": data_parallel_size, "saved_at": time.time()}
 
 
+ZERO_KEY = "moe_zero"  # an optimizer state dict of --zero-sharding's ranks (zero.py): each rank's dense entries
 EMA_PARTS = ("ema", "ema_fp32_params")  # extra_state entries of fairseq's --store-ema, keyed like the model
 MADE_BY = "made_by"  # extra_state key of a checkpoint a tool wrote without optimizer state: what made it
 
@@ -304,6 +305,8 @@ def split(state, spread, rank, info):
         for name, index in info["optimizer_index"].items():
             if index in per_param:
                 shard["optimizer"][name] = per_param.pop(index)
+        if ZERO_KEY in opt:  # --zero-sharding: this rank's share of the dense state stays in its own file
+            shard["dense_optimizer"], per_param = per_param, {}
         shared["last_optimizer_state"] = dict(opt, state=per_param)
     return shared, shard
 
@@ -350,7 +353,27 @@ def read_set(base, shared=None):
                         raise CheckpointError(f"{path} lacks the {part} of its experts of {name} that "
                                               f"{shared_file} has for the other parameters")
             shards.append(shard)
+        _check_dense_shares(shared, shards, base)
         return shared, shards
+
+
+def _check_dense_shares(shared, shards, base):
+    """A set of --zero-sharding: every rank file has its share of the dense optimizer state, no two the same
+    parameter's."""
+    opt = shared.get("last_optimizer_state")
+    if not isinstance(opt, dict) or ZERO_KEY not in opt:
+        return
+    seen = {}
+    for r, shard in enumerate(shards):
+        share = shard.get("dense_optimizer")
+        if not isinstance(share, dict):
+            raise CheckpointError(f"{rank_path(base, r)} lacks its share of the optimizer state that "
+                                  f"{shared_path(base)} says its ranks kept (--zero-sharding)")
+        for index in share:
+            if index in seen:
+                raise CheckpointError(f"{rank_path(base, r)} and {rank_path(base, seen[index])} both hold the "
+                                      f"optimizer state of parameter {index}: not one save's shares")
+            seen[index] = r
 
 
 def check_set(base):
@@ -397,6 +420,8 @@ def assemble(base, want=None, shared=None):
         emas = {part: dict(extra[part]) for part in EMA_PARTS if extra.get(part) is not None}
         opt = shared.get("last_optimizer_state")
         per_param = dict(opt["state"]) if opt is not None else None
+        for shard in shards if per_param is not None else ():  # (--zero-sharding: each rank's dense share)
+            per_param.update(shard.get("dense_optimizer", {}))
         for name, E in info["experts"].items():
             lo, hi = (want or {}).get(name, (0, E))
             owners = {}  # first expert -> shard (one replica of each slice)
@@ -481,6 +506,9 @@ def write(state, out, world_size, save=torch.save):
     history = state.get("optimizer_history") or [{}]
     info.setdefault("num_updates", history[-1].get("num_updates", 0))  # a 1-process file has none
     info.update(format=FORMAT, save_id=new_save_id(), world_size=world_size)
+    opt = state.get("last_optimizer_state")
+    if isinstance(opt, dict) and ZERO_KEY in opt:  # (the whole dense state, in the shared file: any rank's share
+        state = dict(state, last_optimizer_state={k: v for k, v in opt.items() if k != ZERO_KEY})  # loads from it)
     if world_size == 1:
         state = dict(state, extra_state=dict(state["extra_state"], moe_checkpoint=info))
         save(state, out)

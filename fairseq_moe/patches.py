@@ -69,6 +69,10 @@ PATCHES = (
           "rank 0 only once the new sets are committed", scoped=True),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
+    Patch("fairseq.optim", "shard_", "fairseq_moe.zero:shard_with_experts",
+          "--zero-sharding os with the experts spread: fairscale's OSS would broadcast one rank's experts over the "
+          "others'; here the dense parameters' state is cut over the ranks and each keeps its experts' (zero.py)",
+          wraps=True),
     Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoint:register_safe_globals",
           "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",
           since="0.12 with torch >= 2.6"),

@@ -156,12 +156,6 @@ REFUSALS = (
             "--ddp-backend fully_sharded is not supported with experts spread over ranks",
             "FSDP would shard the experts a second time, across ranks that hold different experts",
             {"spread": True, "flags": {"ddp_backend": "fully_sharded"}}),
-    Refusal("ZeRO optimizer sharding with spread experts", ("--zero-sharding",), "trainer",
-            lambda c: c.spread and c.flag("zero_sharding", "none") != "none",
-            "--zero-sharding is not supported with experts spread over ranks: the optimizer state would be "
-            "gathered on rank 0, which holds only its own experts",
-            "each rank's experts have their own optimizer state",
-            {"spread": True, "flags": {"zero_sharding": "os"}}),
     Refusal("an optimizer state that mixes the experts, with spread experts", ("--optimizer",), "trainer",
             lambda c: c.spread and c.flag("optimizer") in ("adafactor", "composite"),
             "--optimizer {optimizer} is not supported with experts spread over ranks: its state cannot be saved "

@@ -1,0 +1,162 @@
+"""--zero-sharding os with the experts spread: the replicated parameters' optimizer state cut over the ranks.
+
+fairseq's ZeRO (fairscale's OSS) gives each parameter to one rank, which steps it and broadcasts the result. An
+expert parameter holds different experts on each rank, so its owner's broadcast would overwrite the others'
+experts. Here (ExpertZeRO, in place of fairseq's optim.shard_ when any parameter is an expert's):
+- each dense parameter (marked without `.expert`: embeddings, attention, norms, routers, shared experts) has
+  one owner among the data-parallel ranks, by a greedy split of their sizes in parameter order (the same on
+  every rank); its owner alone keeps its optimizer state and steps it, then each rank broadcasts what it owns;
+- every rank keeps the state of its own experts and steps them (each rank holds different ones).
+
+The state dict is numbered like the unsharded optimizer's (one index per parameter, fairseq's order), holding
+only this rank's entries, and says so under ZERO_KEY: a set saves each rank's dense entries in its own rank
+file (expert_checkpoint.split), and a load merges every file's entries, from which each rank takes its own. So
+a set resumes on any world size, with or without the flag, and a single file (consolidated, resharded) loads
+into sharded ranks too. The gradients stay whole on every rank (data parallelism all-reduces them as before):
+clipping and the loss scaler see every gradient.
+"""
+import torch
+import torch.distributed as dist
+
+from .expert_checkpoint import ZERO_KEY  # in a state dict: {"world_size": W}: "state" holds one rank's entries
+
+
+def is_expert(p):
+    return hasattr(p, "expert")
+
+
+def owners(sizes, world_size):
+    """The rank that owns each of the parameters of these sizes (numel): each to the least loaded rank so far,
+    largest first, ties to the lower index and the lower rank (deterministic: the same on every rank)."""
+    load = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class ExpertZeRO(torch.optim.Optimizer):
+    """An optimizer of optim_cls over param_groups whose dense parameters' state is sharded over group's ranks
+    (see the module's docstring). param_groups keeps every parameter (fairseq sets the learning rate there and
+    clips every gradient); the inner optimizer holds what this rank steps."""
+
+    def __init__(self, param_groups, optim_cls, group=None, **defaults):
+        super().__init__(param_groups, defaults)
+        self.group = group
+        together = dist.is_available() and dist.is_initialized()
+        self.world_size, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if together else (1, 0)
+        params = [p for g in self.param_groups for p in g["params"]]
+        dense = [i for i, p in enumerate(params) if not is_expert(p)]
+        owner = owners([params[i].numel() for i in dense], self.world_size)
+        self.owner = {i: r for i, r in zip(dense, owner)}  # global index -> its rank
+        self.mine = [[i for i in self._indices(g) if self.owner.get(i, self.rank) == self.rank]
+                     for g in range(len(self.param_groups))]  # per group: the global indices stepped here
+        inner_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[params[i] for i in mine])
+                        for g, mine in zip(self.param_groups, self.mine)]
+        self.inner = optim_cls([g for g in inner_groups if g["params"]], **defaults) if any(self.mine) else None
+        self._inner_of = [g for g, mine in enumerate(self.mine) if mine]  # inner group -> its group here
+        self._params = params
+        self.state = self.inner.state if self.inner is not None else {}
+
+    def _indices(self, g):
+        first = sum(len(self.param_groups[j]["params"]) for j in range(g))
+        return range(first, first + len(self.param_groups[g]["params"]))
+
+    def __getattr__(self, name):  # the inner optimizer's supports_* (fairseq asks FairseqOptimizer.optimizer)
+        if name.startswith("supports") or name == "disable_mem_eff_fp16_loading_hack":
+            inner = self.__dict__.get("inner")
+            return name == "disable_mem_eff_fp16_loading_hack" or getattr(inner, name, False)
+        raise AttributeError(f"'ExpertZeRO' object has no attribute {name!r}")
+
+    def _sync_groups(self):
+        """The learning rate (and any other setting fairseq changed in param_groups) into the inner groups."""
+        if self.inner is None:
+            return
+        for inner, g in zip(self.inner.param_groups, self._inner_of):
+            inner.update({k: v for k, v in self.param_groups[g].items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure=None, **kwargs):
+        self._sync_groups()
+        loss = self.inner.step(closure, **kwargs) if self.inner is not None else None
+        self._broadcast()
+        return loss
+
+    def _broadcast(self):
+        """Each dense parameter from its owner to every rank: one flat buffer per (owner, dtype)."""
+        if self.world_size == 1:
+            return
+        buckets = {}
+        for i, r in self.owner.items():
+            buckets.setdefault((r, self._params[i].dtype, self._params[i].device), []).append(self._params[i])
+        for (r, dtype, device), ps in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, r) if self.group is not None else r,
+                           group=self.group)
+            if r != self.rank:
+                offset = 0
+                for p in ps:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def zero_grad(self, set_to_none=True):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def _inner_to_global(self):
+        return [i for g in self._inner_of for i in self.mine[g]]
+
+    def state_dict(self):
+        """This rank's entries, numbered like the unsharded optimizer's state dict."""
+        groups = [dict({k: v for k, v in g.items() if k != "params"}, params=list(self._indices(j)))
+                  for j, g in enumerate(self.param_groups)]
+        state = {}
+        if self.inner is not None:
+            inner = self.inner.state_dict()
+            to_global = self._inner_to_global()
+            state = {to_global[j]: entry for j, entry in inner["state"].items()}
+        return {"state": state, "param_groups": groups, ZERO_KEY: {"world_size": self.world_size}}
+
+    def load_state_dict(self, state_dict):
+        """From a state dict numbered like the unsharded optimizer's (all entries, or some ranks' only): the
+        settings of every group, and the state of what this rank steps."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+            raise ValueError("loaded state dict has a different number of parameter groups or parameters per "
+                             "group than this optimizer")
+        for s, g in zip(saved, self.param_groups):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        if self.inner is None:
+            return
+        # a saved group's own numbering of its parameters -> this optimizer's global index
+        saved_index = {idx: i for j, s in enumerate(saved) for idx, i in zip(s["params"], self._indices(j))}
+        by_global = {saved_index[k]: v for k, v in state_dict["state"].items() if k in saved_index}
+        to_global = self._inner_to_global()
+        inner_groups = [dict({k: v for k, v in saved[g].items() if k != "params"},
+                             params=list(range(sum(len(self.mine[h]) for h in self._inner_of[:n]),
+                                               sum(len(self.mine[h]) for h in self._inner_of[:n + 1]))))
+                        for n, g in enumerate(self._inner_of)]
+        self.inner.load_state_dict({"state": {j: by_global[i] for j, i in enumerate(to_global) if i in by_global},
+                                    "param_groups": inner_groups})
+        self.state = self.inner.state
+
+
+def shard_with_experts(fairseq_shard):
+    """fairseq's optim.shard_(optimizer, group), or ExpertZeRO where an expert's parameter is among the
+    optimizer's (fairscale's OSS would broadcast one rank's experts over the others')."""
+
+    def shard_(optimizer, group):
+        torch_optimizer = optimizer.optimizer
+        if not any(is_expert(p) for g in torch_optimizer.param_groups for p in g["params"]):
+            return fairseq_shard(optimizer, group)
+        optimizer.optimizer = ExpertZeRO(torch_optimizer.param_groups, type(torch_optimizer), group=group,
+                                         **optimizer.optimizer_config)
+
+    return shard_

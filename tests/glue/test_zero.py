@@ -1,0 +1,118 @@
+"""--zero-sharding os with the experts spread (zero.py): W ranks, each holding the optimizer state of about 1/W of
+the dense parameters and of its own experts, train as one process does with --update-freq W on the same global
+batches; a set keeps each rank's share in its rank file, resumes (3 + 3 updates == 6), reshards 4 -> 2 ranks and
+continues as the 4 ranks do, and resumes on one process without the flag."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq_moe import expert_checkpoint as shards
+from fairseq_moe import reshard
+from fairseq_moe.zero import owners
+
+from .helpers import assert_same_params, run_train, train_argv
+from .test_expert_parallel import COMMON, Launched, finish, launch
+
+# (--seed 4: with seed 3's clipped steps one token's top-2 sits so near a tie at update 2 that float rounding at 4
+# ranks flips it, with or without --zero-sharding: a difference of routing, not of sharding)
+CLIP = ("--clip-norm", "0.5", "--seed", "4")
+ZERO = ("--zero-sharding", "os", *CLIP)
+
+
+def test_owners_balance_the_sizes_the_same_way_on_every_rank():
+    assert owners([10, 1, 1, 10, 4], 2) == [0, 1, 1, 1, 0]  # largest first, to the least loaded: 14 and 12
+    assert owners([3], 4) == [0] and owners([], 2) == []
+
+
+def assert_same_optimizer_state(b, a):
+    """The per-parameter optimizer state (SGD's momentum) of two full checkpoints: the same entries, within 1e-6
+    relative."""
+    sa, sb = a["last_optimizer_state"]["state"], b["last_optimizer_state"]["state"]
+    assert sorted(sa) == sorted(sb) and len(sa) > 10
+    for index in sa:
+        for key, value in sa[index].items():
+            torch.testing.assert_close(sb[index][key], value, rtol=1e-6, atol=1e-7, msg=f"{index} {key}")
+
+
+def full(base):
+    return shards.assemble(str(base))
+
+
+@pytest.mark.slow
+def test_zero_sharding_with_spread_experts(data_bin, tmp_path):
+    def argv(save, *extra, updates=3):
+        return train_argv(data_bin, save, *COMMON, *ZERO, "--max-update", str(updates), *extra)
+
+    # 2 and 4 ranks run while the 1-process references train here
+    two = Launched(2, tmp_path / "two", argv(tmp_path / "two"))
+    run_train(train_argv(data_bin, tmp_path / "one2", *COMMON, *CLIP, "--max-update", "3",
+                         "--update-freq", "2"))
+    two.result()
+    four = Launched(4, tmp_path / "four", argv(tmp_path / "four"))
+    run_train(train_argv(data_bin, tmp_path / "one4", *COMMON, *CLIP, "--max-update", "3",
+                         "--update-freq", "4"))
+    four.result()
+    for W, one in ((2, "one2"), (4, "one4")):
+        a = torch.load(tmp_path / one / "checkpoint_last.pt", weights_only=True)
+        b = full(tmp_path / ("two" if W == 2 else "four") / "checkpoint_last")
+        assert_same_params(b["model"], a["model"])
+        assert_same_optimizer_state(b, a)
+
+    # Each rank file holds its own share of the dense state; the shared file none of it.
+    base = str(tmp_path / "two" / "checkpoint_last")
+    shared, rank_files = shards.read_set(base)
+    assert shared["last_optimizer_state"]["state"] == {}
+    first, second = (set(f["dense_optimizer"]) for f in rank_files)
+    assert first and second and not first & second
+    expert_index = set(shared["extra_state"]["moe_checkpoint"]["optimizer_index"].values())
+    assert not (first | second) & expert_index
+
+    # A set whose shares disagree: one line naming the file, before any work, nothing on disk changed
+    bad_input(data_bin, tmp_path, base)
+
+    # 3 + 3 updates == 6: on one process without the flag (every rank's share read back), and on 2 ranks with it
+    (tmp_path / "one_from_two").mkdir()
+    run_train(train_argv(data_bin, tmp_path / "one_from_two", *COMMON, *CLIP, "--max-update", "6",
+                         "--update-freq", "2", "--restore-file", base + ".pt"))
+    finish(launch(2, tmp_path / "two", *argv(tmp_path / "two", updates=6)))
+    run_train(train_argv(data_bin, tmp_path / "one2", *COMMON, *CLIP, "--max-update", "6",
+                         "--update-freq", "2"))
+    six = torch.load(tmp_path / "one2" / "checkpoint_last.pt", weights_only=True)
+    for resumed in (full(tmp_path / "two" / "checkpoint_last"),
+                    torch.load(tmp_path / "one_from_two" / "checkpoint_last.pt", weights_only=True)):
+        assert [h["num_updates"] for h in resumed["optimizer_history"]][-2:] == [3, 6]
+        assert_same_params(resumed["model"], six["model"])
+        assert_same_optimizer_state(resumed, six)
+
+    # A 4-rank set at update 3, resharded to 2 ranks, continues as the 4 ranks do.
+    assert reshard.main([str(tmp_path / "four" / "checkpoint_last.pt"), str(tmp_path / "as2" / "checkpoint_last.pt"),
+                         "--world-size", "2"]) == 0
+    on_four = Launched(4, tmp_path / "four", argv(tmp_path / "four", updates=6))
+    finish(launch(2, tmp_path / "as2", *argv(tmp_path / "as2", "--update-freq", "2", updates=6)))
+    on_four.result()
+    a, b = full(tmp_path / "four" / "checkpoint_last"), full(tmp_path / "as2" / "checkpoint_last")
+    assert_same_params(b["model"], a["model"])
+    assert_same_optimizer_state(b, a)
+
+
+def bad_input(data_bin, tmp_path, base):
+    import shutil
+
+    from fairseq_moe.errors import CheckpointError
+
+    for case, change in (("missing", lambda r0, r1: r1.pop("dense_optimizer")),
+                         ("twice", lambda r0, r1: r1["dense_optimizer"].update(r0["dense_optimizer"]))):
+        bad = tmp_path / f"bad_{case}"
+        bad.mkdir()
+        for f in Path(base).parent.glob("checkpoint_last-*.pt"):
+            shutil.copy(f, bad / f.name)
+        r0, r1 = (torch.load(bad / f"checkpoint_last-rank-{r}.pt", weights_only=True) for r in (0, 1))
+        change(r0, r1)
+        torch.save(r1, bad / "checkpoint_last-rank-1.pt")
+        before = {f.name: f.read_bytes() for f in bad.iterdir()}
+        with pytest.raises(CheckpointError) as err:
+            run_train(train_argv(data_bin, bad, *COMMON, *ZERO, "--max-update", "6", "--update-freq", "2"))
+        assert "checkpoint_last-rank-1.pt" in str(err.value) and len(str(err.value).splitlines()) == 1
+        assert ("lacks its share" if case == "missing" else "both hold") in str(err.value), err.value
+        assert {f.name: f.read_bytes() for f in bad.iterdir()} == before
