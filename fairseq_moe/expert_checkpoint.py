@@ -272,7 +272,7 @@ def manifest(num_updates, save_id, world_size, experts, optimizer_index, data_pa
             "data_parallel_size": data_parallel_size, "saved_at": time.time()}
 
 
-ZERO_KEY = "moe_zero"  # an optimizer state dict of --zero-sharding's ranks (zero.py): each rank's dense entries
+ZERO_KEY = "moe_zero"  # an optimizer state dict of --zero-sharding's ranks (optim.py): each rank's dense entries
 EMA_PARTS = ("ema", "ema_fp32_params")  # extra_state entries of fairseq's --store-ema, keyed like the model
 MADE_BY = "made_by"  # extra_state key of a checkpoint a tool wrote without optimizer state: what made it
 

@@ -69,9 +69,13 @@ PATCHES = (
           "rank 0 only once the new sets are committed", scoped=True),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
-    Patch("fairseq.optim", "shard_", "fairseq_moe.zero:shard_with_experts",
+    Patch("fairseq.optim", "shard_", "fairseq_moe.optim:shard_with_experts",
           "--zero-sharding os with the experts spread: fairscale's OSS would broadcast one rank's experts over the "
-          "others'; here the dense parameters' state is cut over the ranks and each keeps its experts' (zero.py)",
+          "others'; here the dense parameters' state is cut over the ranks and each keeps its experts' (optim.py)",
+          wraps=True),
+    Patch("fairseq.optim.adafactor:FairseqAdafactor", "__init__", "fairseq_moe.optim:expert_adafactor_init",
+          "--optimizer adafactor treats a stacked expert tensor as one parameter (a bias's column statistics, the "
+          "update's RMS mix the experts): here each expert is stepped as its own, so its state cuts per expert",
           wraps=True),
     Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoint:register_safe_globals",
           "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",

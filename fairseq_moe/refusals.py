@@ -156,12 +156,13 @@ REFUSALS = (
             "--ddp-backend fully_sharded is not supported with experts spread over ranks",
             "FSDP would shard the experts a second time, across ranks that hold different experts",
             {"spread": True, "flags": {"ddp_backend": "fully_sharded"}}),
-    Refusal("an optimizer state that mixes the experts, with spread experts", ("--optimizer",), "trainer",
-            lambda c: c.spread and c.flag("optimizer") in ("adafactor", "composite"),
-            "--optimizer {optimizer} is not supported with experts spread over ranks: its state cannot be saved "
-            "per expert (adafactor's statistics of the expert biases mix the experts); use adam, sgd, ...",
-            "a set cuts the optimizer state along the expert dimension",
-            {"spread": True, "flags": {"optimizer": "adafactor"}}),
+    Refusal("the composite optimizer with spread experts", ("--optimizer",), "trainer",
+            lambda c: c.spread and c.flag("optimizer") == "composite",
+            "--optimizer composite is not supported with experts spread over ranks: its state (one optimizer per "
+            "group of parameters) is not numbered by parameter, so a set cannot cut it per expert; use adam, "
+            "adafactor, sgd, ...",
+            "a set cuts the optimizer state along the expert dimension, found by each parameter's index",
+            {"spread": True, "flags": {"optimizer": "composite"}}),
     Refusal("the neg_log balance-loss transform with routing that has no balance loss",
             ("--moe-gate-loss-transform", "--moe-routing"), "trainer",
             lambda c: c.loss("moe_gate_loss_transform") == "neg_log" and any(

@@ -1,4 +1,4 @@
-"""--zero-sharding os with the experts spread (zero.py): W ranks, each holding the optimizer state of about 1/W of
+"""--zero-sharding os with the experts spread (optim.py): W ranks, each holding the optimizer state of about 1/W of
 the dense parameters and of its own experts, train as one process does with --update-freq W on the same global
 batches; a set keeps each rank's share in its rank file, resumes (3 + 3 updates == 6), reshards 4 -> 2 ranks and
 continues as the 4 ranks do, and resumes on one process without the flag."""
@@ -9,7 +9,7 @@ import torch
 
 from fairseq_moe import expert_checkpoint as shards
 from fairseq_moe import reshard
-from fairseq_moe.zero import owners
+from fairseq_moe.optim import owners
 
 from .helpers import assert_same_params, run_train, train_argv
 from .test_expert_parallel import COMMON, Launched, finish, launch
@@ -116,3 +116,92 @@ def bad_input(data_bin, tmp_path, base):
         assert "checkpoint_last-rank-1.pt" in str(err.value) and len(str(err.value).splitlines()) == 1
         assert ("lacks its share" if case == "missing" else "both hold") in str(err.value), err.value
         assert {f.name: f.read_bytes() for f in bad.iterdir()} == before
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lr=0.01, scale_parameter=False, relative_step=False),  # fairseq's defaults: an external lr
+    dict(lr=0.01, scale_parameter=False, relative_step=False, beta1=0.9, weight_decay=0.1, clip_threshold=0.5),
+    dict(lr=None, scale_parameter=True, relative_step=True),  # Adafactor's paper: relative steps, scaled by RMS
+    dict(lr=None, scale_parameter=True, relative_step=True, warmup_init=True),
+])
+def test_adafactor_steps_each_expert_as_fairseq_steps_a_parameter_of_its_own(settings):
+    """--optimizer adafactor on a stacked expert tensor [E, ...] (marked .expert) and a dense one: fairseq's own
+    Adafactor on each expert's slice as a separate parameter gives the same parameters after 4 steps; the state is
+    [E, ...] throughout (a set cuts it per expert)."""
+    from fairseq.optim.adafactor import Adafactor as fairseq_adafactor
+
+    from fairseq_moe.optim import expert_adafactor_class
+
+    g = torch.Generator().manual_seed(0)
+    E = 3
+    w = torch.nn.Parameter(torch.randn(E, 5, 4, generator=g))
+    b = torch.nn.Parameter(torch.randn(E, 4, generator=g))
+    dense = torch.nn.Parameter(torch.randn(6, 5, generator=g))
+    for p in (w, b):
+        p.expert = True
+    ours = expert_adafactor_class()([w, b, dense], **settings)
+    theirs = [torch.nn.Parameter(t.detach().clone()) for t in (*w, *b, dense)]
+    reference = fairseq_adafactor(theirs, **settings)
+    for _ in range(4):
+        grads = [torch.randn(t.shape, generator=g) for t in (w, b, dense)]
+        for p, grad in zip((w, b, dense), grads):
+            p.grad = grad.clone()
+        for p, grad in zip(theirs, (*grads[0], *grads[1], grads[2])):
+            p.grad = grad.clone()
+        ours.step()
+        reference.step()
+    torch.testing.assert_close(w.detach(), torch.stack([t.detach() for t in theirs[:E]]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.detach(), torch.stack([t.detach() for t in theirs[E:2 * E]]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dense.detach(), theirs[-1].detach(), rtol=0, atol=0)
+    for p in (w, b):
+        for key, value in ours.state[p].items():
+            assert not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == E, key
+
+
+ADAFACTOR = ("--optimizer", "adafactor", "--lr", "0.01", "--moe-capacity-factor", "0", "--dropout", "0",
+             "--attention-dropout", "0", "--moe-expert-count", "4", "--required-batch-size-multiple", "1", *CLIP)
+# The key projections' biases have an exactly-zero gradient (softmax ignores a shift): Adafactor, which divides by
+# the gradient's RMS, turns its float rounding into full steps of random sign, on one process as on W ranks.
+NOISE = ".k_proj.bias"
+
+
+def assert_same_but_noise(b, a):
+    """Parameters and Adafactor state of two full checkpoints, the key biases' left out."""
+    keep = [n for n in a["model"] if not n.endswith(NOISE)]
+    assert_same_params({n: b["model"][n] for n in keep}, {n: a["model"][n] for n in keep})
+    order = [n for n in a["model"] if not n.endswith(".version")]  # (fairseq's parameter order: the optimizer's)
+    noise = {i for i, n in enumerate(order) if n.endswith(NOISE)}
+    sa, sb = a["last_optimizer_state"]["state"], b["last_optimizer_state"]["state"]
+    assert sorted(sa) == sorted(sb)
+    for index in set(sa) - noise:
+        for key, value in sa[index].items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(sb[index][key], value, rtol=1e-5, atol=1e-7, msg=f"{index} {key}")
+
+
+@pytest.mark.slow
+def test_adafactor_with_spread_experts(data_bin, tmp_path):
+    """2 ranks (with --zero-sharding os) == 1 process; the 2-rank set resumes on one process, and the 1-process
+    checkpoint on 2 ranks (each expert's statistics cut out), 3 + 2 updates == 5."""
+    def argv(save, updates, *extra):
+        return train_argv(data_bin, save, *ADAFACTOR, "--max-update", str(updates), *extra)
+
+    two = Launched(2, tmp_path / "two", argv(tmp_path / "two", 3, "--zero-sharding", "os"))
+    run_train(argv(tmp_path / "one", 3, "--update-freq", "2"))
+    two.result()
+    a, b = torch.load(tmp_path / "one" / "checkpoint_last.pt", weights_only=True), full(tmp_path / "two" /
+                                                                                        "checkpoint_last")
+    w1 = b["extra_state"]["moe_checkpoint"]["optimizer_index"]["encoder.layers.1.fc1.moe.experts.w1"]
+    assert b["last_optimizer_state"]["state"][w1]["exp_avg_sq_row"].shape[0] == 4  # (per expert, all 4)
+    assert_same_but_noise(b, a)
+    (tmp_path / "one_from_two").mkdir()
+    run_train(argv(tmp_path / "one_from_two", 5, "--update-freq", "2", "--restore-file",
+                   str(tmp_path / "two" / "checkpoint_last.pt")))
+    finish(launch(2, tmp_path / "two_from_one", *argv(tmp_path / "two_from_one", 5, "--restore-file",
+                                                      str(tmp_path / "one" / "checkpoint_last.pt"))))
+    run_train(argv(tmp_path / "one", 5, "--update-freq", "2"))
+    five = torch.load(tmp_path / "one" / "checkpoint_last.pt", weights_only=True)
+    for resumed in (torch.load(tmp_path / "one_from_two" / "checkpoint_last.pt", weights_only=True),
+                    full(tmp_path / "two_from_one" / "checkpoint_last")):
+        assert [h["num_updates"] for h in resumed["optimizer_history"]][-2:] == [3, 5]
+        assert_same_but_noise(resumed, five)

@@ -1,4 +1,6 @@
-"""--zero-sharding os with the experts spread: the replicated parameters' optimizer state cut over the ranks.
+"""Optimizers with the experts spread over ranks: ZeRO (ExpertZeRO) and Adafactor (ExpertAdafactor).
+
+## --zero-sharding os: the replicated parameters' optimizer state cut over the ranks
 
 fairseq's ZeRO (fairscale's OSS) gives each parameter to one rank, which steps it and broadcasts the result. An
 expert parameter holds different experts on each rank, so its owner's broadcast would overwrite the others'
@@ -14,7 +16,17 @@ file (expert_checkpoint.split), and a load merges every file's entries, from whi
 a set resumes on any world size, with or without the flag, and a single file (consolidated, resharded) loads
 into sharded ranks too. The gradients stay whole on every rank (data parallelism all-reduces them as before):
 clipping and the loss scaler see every gradient.
+
+## --optimizer adafactor: each expert its own parameter
+fairseq's Adafactor treats a stacked expert tensor [E, ...] as one parameter: the factored statistics of a bias
+[E, f] (its column means) and the scale of the update (the RMS of the parameter and of the update) mix the experts,
+so a rank holding some of them cannot compute what one process computes. ExpertAdafactor (fairseq's Adafactor, in
+its place) computes each expert of a parameter marked `.expert` as the moe branch's separate nn.Linear experts
+would be: the same step of fairseq's code, on each slice [d, f] or [f]; its state (second-moment rows and columns,
+RMS) is per expert along the first dimension, so a set cuts it like the experts. Other parameters: fairseq's step.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -160,3 +172,101 @@ def shard_with_experts(fairseq_shard):
                                          **optimizer.optimizer_config)
 
     return shard_
+
+
+def expert_adafactor_init(fairseq_init):
+    """FairseqAdafactor.__init__, its torch optimizer an ExpertAdafactor."""
+
+    def __init__(self, args, params):
+        params = list(params)
+        fairseq_init(self, args, params)
+        self._optimizer = expert_adafactor_class()(params, **self.optimizer_config)
+
+    return __init__
+
+
+_CLASSES = {}
+
+
+def expert_adafactor_class():
+    """fairseq.optim.adafactor.Adafactor, with each expert of a `.expert` parameter stepped as its own parameter."""
+    if "adafactor" in _CLASSES:
+        return _CLASSES["adafactor"]
+    from fairseq.optim.adafactor import Adafactor as fairseq_adafactor
+
+    class ExpertAdafactor(fairseq_adafactor):
+        def step(self, closure=None):
+            loss = closure() if closure is not None else None
+            for group in self.param_groups:
+                experts = [p for p in group["params"] if is_expert(p) and p.grad is not None]
+                if len(experts) < len(group["params"]):  # fairseq's step for the others, in their own group
+                    others = [p for p in group["params"] if not is_expert(p)]
+                    self._fairseq_step(group, others)
+                for p in experts:
+                    self._expert_step(group, p)
+            return loss
+
+        def _fairseq_step(self, group, params):
+            everything = self.param_groups
+            self.param_groups = [dict(group, params=params)]
+            try:
+                fairseq_adafactor.step(self)
+            finally:
+                group["lr"] = self.param_groups[0]["lr"]  # (fairseq's step writes its lr into the group)
+                self.param_groups = everything
+
+        def _expert_step(self, group, p):
+            """fairseq's Adafactor step on each expert p[e] (vectorised over the first dimension)."""
+            grad = p.grad.data.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad.data
+            E, shape = grad.shape[0], grad.shape[1:]
+            factored, first_moment = len(shape) >= 2, group["beta1"] is not None
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = 0
+                if first_moment:
+                    state["exp_avg"] = torch.zeros_like(grad)
+                if factored:
+                    state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)  # [E, d]
+                    state["exp_avg_sq_col"] = torch.zeros(grad.shape[:-2] + grad.shape[-1:]).to(grad)  # [E, f]
+                else:
+                    state["exp_avg_sq"] = torch.zeros_like(grad)
+            for key in ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(grad)
+            data = p.data.float() if p.data.dtype in (torch.float16, torch.bfloat16) else p.data
+            per_expert = (E,) + (1,) * len(shape)  # a value per expert, broadcast over its slice
+
+            def rms(t):  # [E]: each expert's root mean square
+                return t.reshape(E, -1).norm(dim=1) / math.sqrt(t[0].numel())
+
+            state["step"] += 1
+            state["RMS"] = rms(data)
+            step_size = group["lr"]
+            if group["relative_step"]:
+                floor = 1e-6 * state["step"] if group["warmup_init"] else 1e-2
+                step_size = min(floor, 1.0 / math.sqrt(state["step"]))
+            lr = (torch.clamp(state["RMS"], min=group["eps"][1]) * step_size if group["scale_parameter"]
+                  else torch.full((E,), float(step_size), dtype=grad.dtype, device=grad.device)).view(per_expert)
+            beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+            update = grad ** 2 + group["eps"][0]
+            if factored:
+                row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+                row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
+                col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+                update = self._approx_sq_grad(row, col).mul_(grad)  # (per expert: the means run over its rows)
+            else:
+                state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                update = state["exp_avg_sq"].rsqrt().mul_(grad)
+            update.div_((rms(update) / group["clip_threshold"]).clamp_(min=1.0).view(per_expert))
+            update.mul_(lr)
+            if first_moment:
+                state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=1 - group["beta1"])
+                update = state["exp_avg"]
+            if group["weight_decay"] != 0:
+                data.add_(data * (-group["weight_decay"] * lr))
+            data.add_(-update)
+            if p.data.dtype in (torch.float16, torch.bfloat16):
+                p.data.copy_(data)
+
+    _CLASSES["adafactor"] = ExpertAdafactor
+    return ExpertAdafactor
