@@ -56,9 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="activations and weights (default bf16; smoke fp32)")
     p.add_argument("--activation", choices=("relu", "gelu", "silu"), default="relu")
-    p.add_argument("--backends", nargs="+", choices=("triton", "torch"),
-                   help="backends to check and time (default triton torch; smoke torch)")
-    p.add_argument("--target-backend", choices=("triton", "torch"),
+    p.add_argument("--backends", nargs="+", choices=("triton", "grouped_mm", "torch"),
+                   help="backends to check and time (default triton grouped_mm torch; smoke torch)")
+    p.add_argument("--target-backend", choices=("triton", "grouped_mm", "torch"),
                    help="the backend the targets apply to (default: the first of --backends)")
     p.add_argument("--inputs", type=int, default=3, help="input sets per config (routings of different skew)")
     p.add_argument("--warmup", type=int, default=1,
@@ -89,7 +89,7 @@ def parse_args(argv=None):
         args.check_shape = [37, 24, 40, 5, 2]
         args.inputs, args.reps, args.measure_s = 2, 2, 0.01
     args.dtype = args.dtype or ("fp32" if args.smoke else "bf16")
-    args.backends = args.backends or (["torch"] if args.smoke else ["triton", "torch"])
+    args.backends = args.backends or (["torch"] if args.smoke else ["triton", "grouped_mm", "torch"])
     args.target_backend = args.target_backend or args.backends[0]
     if min(args.inputs, args.reps, args.min_reps) < 1 or args.min_reps > args.reps:
         p.error("--inputs, --reps, --min-reps must be >= 1 and --min-reps <= --reps")

@@ -397,9 +397,11 @@ def _cut_optimizer_state(entries, lo, hi):
         if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == entries[0][1]:
             out[key] = _cut([(f, e[key]) for f, _, e in entries], lo, hi)
         elif torch.is_tensor(value) and value.numel() > 1:
-            # e.g. Adafactor's column statistics of a [E, f] bias, which mix the experts
+            # e.g. Adafactor's column statistics of a [E, f] bias, which mix the experts (fairseq's Adafactor
+            # before fairseq-moe stepped each expert as its own parameter)
             raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} is not per expert: "
-                             f"it cannot be cut into expert slices")
+                             f"it cannot be cut into expert slices (resume it on one process first, or start the "
+                             f"optimizer afresh with --reset-optimizer)")
         else:  # a scalar such as Adam's step: the same on every rank
             out[key] = value.clone() if torch.is_tensor(value) else value
     return out
@@ -420,8 +422,9 @@ def assemble(base, want=None, shared=None):
         emas = {part: dict(extra[part]) for part in EMA_PARTS if extra.get(part) is not None}
         opt = shared.get("last_optimizer_state")
         per_param = dict(opt["state"]) if opt is not None else None
-        for shard in shards if per_param is not None else ():  # (--zero-sharding: each rank's dense share)
-            per_param.update(shard.get("dense_optimizer", {}))
+        for shard in shards if per_param is not None else ():  # (--zero-sharding: each rank's dense share,
+            per_param.update({i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}  # copied out
+                              for i, entry in shard.get("dense_optimizer", {}).items()})  # of the mapped file)
         for name, E in info["experts"].items():
             lo, hi = (want or {}).get(name, (0, E))
             owners = {}  # first expert -> shard (one replica of each slice)

@@ -157,6 +157,14 @@ class ExpertZeRO(torch.optim.Optimizer):
                         for n, g in enumerate(self._inner_of)]
         self.inner.load_state_dict({"state": {j: by_global[i] for j, i in enumerate(to_global) if i in by_global},
                                     "param_groups": inner_groups})
+        # torch casts the loaded state to each parameter's dtype: with --memory-efficient-fp16 an fp16 parameter
+        # keeps an fp32 state (fairseq's own hack does this for the unsharded optimizer; here, for what this rank
+        # steps only). Copied: the state must not stay backed by a memory-mapped checkpoint file.
+        for i in to_global:
+            if i in by_global:
+                p = self._params[i]
+                self.inner.state[p] = {k: v.to(p.device, copy=True) if torch.is_tensor(v) else v
+                                       for k, v in by_global[i].items()}
         self.state = self.inner.state
 
 
@@ -221,6 +229,9 @@ def expert_adafactor_class():
             E, shape = grad.shape[0], grad.shape[1:]
             factored, first_moment = len(shape) >= 2, group["beta1"] is not None
             state = self.state[p]
+            if not factored and "exp_avg_sq_row" in state:  # fairseq's state of the stacked [E, f] (older runs):
+                row, col = state.pop("exp_avg_sq_row"), state.pop("exp_avg_sq_col")  # its approximation of the
+                state["exp_avg_sq"] = (row.unsqueeze(1) * col.unsqueeze(0) / row.mean()).to(grad)  # second moment
             if len(state) == 0:
                 state["step"] = 0
                 if first_moment:

@@ -68,8 +68,10 @@ class LayerSettings:
     activation_dropout: float = setting(0.0, "dropout after the experts' activation", "--activation-dropout",
                                         ge=0, lt=1, cli=False)
     kernel_backend: str = setting(
-        "auto", "the layer's kernels: PyTorch ops, or the fused Triton kernels; auto = triton on CUDA, torch "
-                "elsewhere; triton where it cannot run is an error at start-up", choices=kernel_backends.BACKENDS)
+        "auto", "the layer's kernels: torch (PyTorch ops, a GEMM per expert), grouped_mm (the experts on PyTorch's "
+                "grouped GEMM), or triton (the fused Triton kernels, which have not yet run on a GPU); auto = "
+                "grouped_mm on CUDA where torch runs the dtype, torch elsewhere (never triton); a backend that "
+                "cannot run is an error at start-up", choices=kernel_backends.BACKENDS)
     routing: str = setting(TopK.name, "who goes where", choices=ROUTINGS)
     gate_noise: str = setting(
         "none", "training-only router noise: jitter multiplies the gate's input by U(1-S, 1+S) (Switch, "

@@ -1,11 +1,15 @@
-"""The kernel backend switch behind --moe-kernel-backend {auto,torch,triton}.
+"""The kernel backend switch behind --moe-kernel-backend {auto,torch,grouped_mm,triton}.
 
-    backend = resolve(cfg.kernel_backend, x.device)   # "torch" or "triton", or a ValueError
+    backend = resolve(cfg.kernel_backend, x.device, x.dtype)   # "torch", "grouped_mm" or "triton", or a ValueError
     k = ops(backend)                                  # k.router, k.permute, k.unpermute, k.grouped_mlp, k.moe_mlp
 
-auto is triton on a CUDA device when triton imports, torch everywhere else. An explicit triton that
-cannot run is an error that says why, never a silent fallback: a user who asked for the fused kernels
-should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
+torch: the references (reference.py: one GEMM per expert). grouped_mm: the expert MLP on PyTorch's own grouped
+GEMM (torch_grouped.py), the rest the references'. triton: the fused Triton kernels.
+auto takes the proven path: grouped_mm on a CUDA device where torch's grouped GEMM runs the dtype (probed once),
+else torch. Never triton: its kernels have run only under Triton's interpreter on a CPU, not yet on a GPU
+(benchmarks/gpu_check.sh is the check that would change that); they run when asked for by name. An explicit
+backend that cannot run is an error that says why, never a silent fallback: a user who asked for the fused
+kernels should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
 only by ops("triton"), so `import fairseq_moe_kernels` works without triton.
 """
 import importlib
@@ -15,10 +19,10 @@ from functools import lru_cache
 
 import torch
 
-from . import reference
+from . import reference, torch_grouped
 
 FLAG = "--moe-kernel-backend"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "grouped_mm", "triton")
 
 
 def _triton_unavailable(device):
@@ -48,16 +52,21 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Trito
 
 
 def resolve(name, device, dtype=None):
-    """The backend `name` means for tensors of `dtype` on `device`: "torch" or "triton"."""
+    """The backend `name` means for tensors of `dtype` (None: float32) on `device`: "torch", "grouped_mm" or
+    "triton"."""
     if name not in BACKENDS:
         raise ValueError(f"{FLAG} must be one of {list(BACKENDS)}, got {name!r}")
     device = torch.device(device)
     if name == "torch":
         return "torch"
     if name == "auto":
-        # Never the interpreter: auto must not turn a CPU run into a much slower one.
-        return ("triton" if device.type == "cuda" and dtype in (None, *TRITON_DTYPES)
-                and _triton_unavailable(device) is None else "torch")
+        grouped = device.type == "cuda" and torch_grouped.supported(device, dtype or torch.float32)
+        return "grouped_mm" if grouped else "torch"
+    if name == "grouped_mm":
+        if not torch_grouped.supported(device, dtype or torch.float32):
+            raise ValueError(f"{FLAG} grouped_mm: torch {torch.__version__}'s grouped_mm does not run "
+                             f"{dtype or torch.float32} on {device}; use torch")
+        return "grouped_mm"
     if dtype is not None and dtype not in TRITON_DTYPES:
         raise ValueError(f"{FLAG} triton runs fp16, bf16 and fp32 tensors, not {dtype}; use torch")
     reason = _triton_unavailable(device)
@@ -77,12 +86,19 @@ OPS = {
 }
 
 
+GROUPED_MM_OPS = ("grouped_mlp", "moe_mlp")  # what backend grouped_mm takes from torch_grouped.py
+
+
 @lru_cache(maxsize=None)
 def ops(name):
-    """Namespace of the ops (OPS) of a resolved backend, "torch" or "triton"."""
-    if name not in ("torch", "triton"):
-        raise ValueError(f"ops() takes a resolved backend, 'torch' or 'triton' (see resolve()), got {name!r}")
+    """Namespace of the ops (OPS) of a resolved backend, "torch", "grouped_mm" or "triton"."""
+    if name not in ("torch", "grouped_mm", "triton"):
+        raise ValueError(f"ops() takes a resolved backend, 'torch', 'grouped_mm' or 'triton' (see resolve()), "
+                         f"got {name!r}")
     if name == "torch":
         return types.SimpleNamespace(name=name, **{op: getattr(reference, op) for op in OPS})
+    if name == "grouped_mm":
+        return types.SimpleNamespace(name=name, **{op: getattr(torch_grouped if op in GROUPED_MM_OPS else reference,
+                                                                op) for op in OPS})
     modules = {m: importlib.import_module(f"{__package__}.{m}") for m in set(OPS.values())}  # imports triton
     return types.SimpleNamespace(name=name, **{op: getattr(modules[m], op) for op, m in OPS.items()})

@@ -258,8 +258,10 @@ def prepare_moe_build(args, sides):
     # fairseq-hydra-train the model's config has no --cpu: then a backend that cannot run fails at
     # the first forward, before any update.)
     on_gpu = torch.cuda.is_available() and not getattr(args, "cpu", False)
+    dtype = (torch.float16 if getattr(args, "fp16", False) else torch.bfloat16 if getattr(args, "bf16", False)
+             else torch.float32)  # (the experts' dtype in training)
     try:
-        kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu")
+        kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu", dtype)
     except ValueError as e:  # names the flag and why
         raise FlagError(str(e)) from None
     args.moe_ep = build_expert_parallel(args)

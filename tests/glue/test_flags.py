@@ -182,14 +182,15 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     from fairseq_moe.models import moe_transformer
     from fairseq_moe_layer.comm import ExpertParallel
 
-    task, _, criterion, args = build(train_argv(data_bin, tmp_path, "--optimizer", "adafactor", "--lr", "0.01"))
+    task, _, criterion, args = build(train_argv(data_bin, tmp_path, "--optimizer", "adafactor", "--lr", "0.01",
+                                                "--scale-parameter"))
     cfg = convert_namespace_to_omegaconf(args)
     flags = training_flags(cfg)
     assert (flags.optimizer, flags.fp16, flags.ddp_backend) == ("adafactor", False, args.ddp_backend)
     spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
     monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
     model = task.build_model(cfg.model)
-    with pytest.raises(ValueError, match="--optimizer adafactor"):
+    with pytest.raises(ValueError, match="--scale-parameter"):
         Trainer(cfg, task, model, criterion)
 
 

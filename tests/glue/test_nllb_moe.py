@@ -178,9 +178,13 @@ def test_a_converted_nllb_moe_generates_what_transformers_generates(fairseq_cfg,
 
     data, saved = fairseq_cfg[task]
     vocab = saved["model"]["encoder.embed_tokens.weight"].shape[0]
-    hf = tiny_nllb_moe(vocab, **changes)
-    with torch.no_grad():  # (a random model's log-probabilities are nearly flat: peaked ones make its choices count)
-        hf.model.shared.weight.mul_(10)
+    def peaked(**settings):  # (a random model's log-probabilities are nearly flat: peaked ones make choices count)
+        model = tiny_nllb_moe(vocab, **settings)
+        with torch.no_grad():
+            model.model.shared.weight.mul_(10)
+        return model
+
+    hf = peaked(**changes)
     write_as_fairseq(hf, saved, str(tmp_path / "nllb"))
     assert convert_moe_branch.main([str(tmp_path / "nllb"), str(tmp_path / "converted.pt")]) == 0
     overrides = {"data": data} if task == "translation" else {"data": data, "source_lang": "en", "target_lang": "yy"}
@@ -212,8 +216,8 @@ def test_a_converted_nllb_moe_generates_what_transformers_generates(fairseq_cfg,
         torch.testing.assert_close(my_scores, their_scores[:n], rtol=1e-5, atol=1e-5)
         assert theirs[n:].eq(1).all()  # (transformers pads a sentence after its eos)
     if changes.get("moe_eval_capacity_token_fraction", 1.0) < 1:  # tokens were dropped, and it mattered
-        _, full = greedy_in_transformers(tiny_nllb_moe(vocab, **dict(changes, moe_eval_capacity_token_fraction=1.0)),
-                                         src, prefix, steps)
+        _, full = greedy_in_transformers(peaked(**dict(changes, moe_eval_capacity_token_fraction=1.0)), src, prefix,
+                                         steps)
         assert not torch.allclose(full, scores, rtol=1e-3, atol=1e-3)
 
 

@@ -205,3 +205,37 @@ def test_adafactor_with_spread_experts(data_bin, tmp_path):
                     full(tmp_path / "two_from_one" / "checkpoint_last")):
         assert [h["num_updates"] for h in resumed["optimizer_history"]][-2:] == [3, 5]
         assert_same_but_noise(resumed, five)
+
+
+def test_zero_keeps_the_saved_state_of_half_parameters():
+    """--memory-efficient-fp16 with ZeRO: fp16 parameters keep their fp32 optimizer state through a load (torch
+    would cast it: an exp_avg_sq of 1e-9 is 0 in fp16), copied out of what was loaded."""
+    from fairseq_moe.optim import ExpertZeRO
+
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    zero = ExpertZeRO([{"params": [p], "lr": 0.1}], torch.optim.Adam, lr=0.1)
+    saved = {"step": torch.tensor(3.0), "exp_avg": torch.full((4,), 1e-9), "exp_avg_sq": torch.full((4,), 1e-9)}
+    zero.load_state_dict({"state": {0: saved}, "param_groups": [{"params": [0], "lr": 0.05}]})
+    state = zero.inner.state[p]
+    assert state["exp_avg_sq"].dtype == torch.float32 and state["exp_avg_sq"][0].item() == pytest.approx(1e-9)
+    assert state["exp_avg"].data_ptr() != saved["exp_avg"].data_ptr()
+    assert zero.param_groups[0]["lr"] == 0.05 and zero.state_dict()["state"][0]["exp_avg_sq"].dtype == torch.float32
+
+
+def test_adafactor_state_of_a_stacked_bias_from_before_is_converted():
+    """A run of fairseq's Adafactor on one process (before the experts were stepped each as its own) resumes: the
+    stacked bias's factored statistics become its per-expert second moment, and stepping goes on."""
+    from fairseq.optim.adafactor import Adafactor as fairseq_adafactor
+
+    from fairseq_moe.optim import expert_adafactor_class
+
+    b = torch.nn.Parameter(torch.randn(3, 4))
+    b.expert = True
+    old = fairseq_adafactor([b], lr=0.01, scale_parameter=False, relative_step=False)
+    b.grad = torch.randn(3, 4)
+    old.step()
+    assert set(old.state[b]) >= {"exp_avg_sq_row", "exp_avg_sq_col"}
+    new = expert_adafactor_class()([b], lr=0.01, scale_parameter=False, relative_step=False)
+    new.load_state_dict(old.state_dict())
+    new.step()
+    assert new.state[b]["exp_avg_sq"].shape == (3, 4) and "exp_avg_sq_row" not in new.state[b]

@@ -1,7 +1,6 @@
-"""kernels/backend.py: resolve() picks torch or triton per --moe-kernel-backend and device, and an
-explicit triton that cannot run is a ValueError naming the flag and the reason (no interpreter on
-CPU, triton not importable, an unsupported device); auto never errors and never picks the
-interpreter. ops() returns each backend's five ops. `import fairseq_moe_kernels` works with triton blocked and
+"""kernels/backend.py: resolve() picks torch, grouped_mm or triton per --moe-kernel-backend, device and dtype,
+and an explicit backend that cannot run is a ValueError naming the flag and the reason (no interpreter on
+CPU, triton not importable, an unsupported device or dtype); auto never errors and never picks triton. ops() returns each backend's five ops. `import fairseq_moe_kernels` works with triton blocked and
 imports no triton module."""
 import subprocess
 import sys
@@ -33,13 +32,24 @@ def test_auto_is_torch_on_cpu_even_with_the_interpreter(monkeypatch):
     assert backend.resolve("auto", "cpu") == "torch"
 
 
-def test_auto_on_cuda():
-    pytest.importorskip("triton")
-    assert backend.resolve("auto", "cuda") == "triton"
+def test_auto_on_cuda_is_grouped_mm_where_it_runs_never_triton(monkeypatch):
+    """auto takes the proven path: torch's grouped GEMM where it runs the dtype on that device, else the
+    references; the Triton kernels (never run on a GPU yet) only when asked for."""
+    monkeypatch.setattr(backend.torch_grouped, "supported", lambda device, dtype: dtype == torch.bfloat16)
+    assert backend.resolve("auto", "cuda:0", torch.bfloat16) == "grouped_mm"
+    assert backend.resolve("auto", "cuda:0", torch.float16) == "torch"
+    assert backend.resolve("auto", "cpu", torch.bfloat16) == "torch"  # (the CPU keeps the references)
 
 
-def test_auto_on_cuda_without_triton_is_torch(no_triton):
-    assert backend.resolve("auto", "cuda:0") == "torch"
+def test_auto_on_cuda_without_a_gpu_is_torch(no_triton):
+    assert backend.resolve("auto", "cuda:0") == "torch"  # (this CPU build: no CUDA tensor, so no grouped_mm)
+
+
+def test_grouped_mm_where_it_cannot_run_is_an_error(monkeypatch):
+    assert backend.resolve("grouped_mm", "cpu", torch.float32) == "grouped_mm"  # (torch's CPU kernel)
+    monkeypatch.setattr(backend.torch_grouped, "supported", lambda device, dtype: False)
+    with pytest.raises(ValueError, match=r"--moe-kernel-backend grouped_mm: torch .*grouped_mm does not run"):
+        backend.resolve("grouped_mm", "cuda", torch.float16)
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -74,6 +84,10 @@ def test_torch_ops_are_the_references():
     ops = backend.ops("torch")
     for name in backend.OPS:
         assert getattr(ops, name) is getattr(reference, name)
+    grouped = backend.ops("grouped_mm")
+    for name in backend.OPS:
+        assert getattr(grouped, name) is getattr(backend.torch_grouped if name in backend.GROUPED_MM_OPS
+                                                 else reference, name)
 
 
 def test_triton_ops():
@@ -110,7 +124,7 @@ def test_import_kernels_without_triton():
 
 
 def test_dtype_decides_too():
-    """The Triton GEMMs compile for fp16/bf16/fp32: auto keeps fp64 on torch, explicit triton says so."""
+    """The Triton GEMMs compile for fp16/bf16/fp32: explicit triton says so for fp64."""
     assert backend.resolve("auto", "cuda", torch.float64) == "torch"
     assert backend.resolve("torch", "cpu", torch.float64) == "torch"
     with pytest.raises(ValueError, match="--moe-kernel-backend triton runs fp16, bf16 and fp32 tensors"):

@@ -1,12 +1,11 @@
-"""The whole MoELayer with the Triton kernels (in the interpreter on CPU, fp32) equals the layer with
-the torch kernels: output, auxiliary losses, and the gradients of the input, the gate and the experts.
-Each kernel is checked against its reference in tests/kernels; this checks how the layer uses them."""
+"""The whole MoELayer with the Triton kernels (in the interpreter on CPU, fp32) and with torch's grouped GEMM
+(backend grouped_mm) equals the layer with the torch kernels: output, auxiliary losses, and the gradients of the
+input, the gate and the experts. Each kernel is checked against its reference in tests/kernels; this checks how
+the layer uses them."""
 import pytest
 import torch
 
 from fairseq_moe_layer import MoEConfig, MoELayer
-
-pytest.importorskip("triton")
 
 
 def run(backend, cfg, x, mask, seed=0):
@@ -27,8 +26,11 @@ def run(backend, cfg, x, mask, seed=0):
     (2, 0.5, "expert_choice"), (2, 0.0, "dense"), (2, 1.0, "batch_prioritized_routing"),
     (2, 1.0, "second_expert_policy=sampling"), (2, 1.0, "score=sigmoid"), (1, 1.0, "hash"), (2, 0.0, "soft"),
     (1, 1.0, "top1_weight=one")])
-def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_layer_on_each_backend_equals_torch_layer(backend, top_k, capacity_factor, routing):
     """Options of top-k routing skip the fused router; the rest of the Triton path stays."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     option = {"batch_prioritized_routing": dict(batch_prioritized_routing=True),
               "second_expert_policy=sampling": dict(second_expert_policy="sampling"),
               "score=sigmoid": dict(score="sigmoid"),  # (the fused router's sigmoid)
@@ -40,7 +42,7 @@ def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
     mask = torch.zeros(3, 7, dtype=torch.bool)
     mask[1, 5:] = True  # padding, kept out of routing
     y_t, aux_t, g_t = run("torch", cfg, x, mask)
-    y_k, aux_k, g_k = run("triton", cfg, x, mask)
+    y_k, aux_k, g_k = run(backend, cfg, x, mask)
     torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-6)
     assert torch.equal(aux_k.counts, aux_t.counts) and torch.equal(aux_k.demand, aux_t.demand)
     if capacity_factor:
@@ -52,6 +54,7 @@ def test_triton_layer_equals_torch_layer(top_k, capacity_factor, routing):
 
 
 def test_triton_without_interpreter_on_cpu_is_an_error(monkeypatch):
+    pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     layer = MoELayer(MoEConfig(model_dim=4, ffn_dim=6, num_experts=2, kernel_backend="triton"))
     with pytest.raises(ValueError, match="--moe-kernel-backend triton cannot run on cpu"):
