@@ -63,6 +63,8 @@ def parser(description, E=(8, 32, 128), T=(4096, 16384)):
     p.add_argument("--capacity-factor", type=float, default=1.25, help="ignored with --dropless")
     p.add_argument("--json", metavar="PATH", help="write the results (and the settings) here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "torch", "grouped_mm"), default="auto",
+                   help="--moe-kernel-backend of the layer (auto: torch on the CPU)")
     return p
 
 
@@ -373,7 +375,8 @@ def run_config(args, E, T):
     torch.manual_seed(args.seed)
     d, f, k = args.d, args.f, args.k
     cf = 0.0 if args.dropless else args.capacity_factor
-    layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf))
+    layer = MoELayer(MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf,
+                               kernel_backend=args.backend))
     layer.train()
     dense = DenseFFNs(d, f, k, "relu", "cpu", torch.float32).train()
     x = torch.randn(T, d, requires_grad=True)
