@@ -75,7 +75,7 @@ def run_policy(args, name, E, T):
     if fields.get("routing") == "expert_choice" and not cf:
         fields["capacity_factor"] = 1.0  # (no dropless form: each expert takes exactly k * T / E tokens)
     torch.manual_seed(args.seed)
-    cfg = MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf)
+    cfg = MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf, kernel_backend=args.backend)
     layer = MoELayer(dataclasses.replace(cfg, **fields)).train()
     shape = (T // args.soft_group, args.soft_group, d) if kind == "soft" else (tokens, d)
     x = torch.randn(*shape, requires_grad=True)
