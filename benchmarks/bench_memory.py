@@ -86,14 +86,14 @@ def main():
             rss = max(int(m) for m in re.findall(r"MAXRSS_KB (\d+)", out.stderr)) * 1024
             ranks = per_rank(save, W)
             params, state = max(p for p, _ in ranks), max(s for _, s in ranks)
-            rows.append(dict(world=W, zero_sharding=mode, param_bytes=params, grad_bytes=params, optimizer_bytes=state,
-                             total_bytes=2 * params + state, peak_rss=rss))
+            rows.append(dict(world=W, zero_sharding=mode, param_bytes=params, grad_bytes=params,
+                             optimizer_bytes=state, total_bytes=2 * params + state, peak_rss=rss))
     base = rows[0]
     print(f"{'W':>2} {'ZeRO':>5} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'total MB':>9} {'ratio':>6} "
           f"{'optim ratio':>11} {'peak RSS MB':>12} {'ratio':>6}   (per rank: the largest)")
     for r in rows:
-        print(f"{r['world']:>2} {r['zero_sharding']:>5} {r['param_bytes'] / 2**20:>10.1f} {r['grad_bytes'] / 2**20:>9.1f} "
-              f"{r['optimizer_bytes'] / 2**20:>9.1f} {r['total_bytes'] / 2**20:>9.1f} "
+        print(f"{r['world']:>2} {r['zero_sharding']:>5} {r['param_bytes'] / 2**20:>10.1f} "
+              f"{r['grad_bytes'] / 2**20:>9.1f} {r['optimizer_bytes'] / 2**20:>9.1f} {r['total_bytes'] / 2**20:>9.1f} "
               f"{r['total_bytes'] / base['total_bytes']:>6.2f} {r['optimizer_bytes'] / base['optimizer_bytes']:>11.2f} "
               f"{r['peak_rss'] / 2**20:>12.0f} {r['peak_rss'] / base['peak_rss']:>6.2f}")
     if args.json:

@@ -1,7 +1,8 @@
 """kernels/backend.py: resolve() picks torch, grouped_mm or triton per --moe-kernel-backend, device and dtype,
 and an explicit backend that cannot run is a ValueError naming the flag and the reason (no interpreter on
-CPU, triton not importable, an unsupported device or dtype); auto never errors and never picks triton. ops() returns each backend's five ops. `import fairseq_moe_kernels` works with triton blocked and
-imports no triton module."""
+CPU, triton not importable, an unsupported device or dtype); auto never errors and never picks triton.
+ops() returns each backend's five ops. `import fairseq_moe_kernels` works with triton blocked and imports no
+triton module."""
 import subprocess
 import sys
 from pathlib import Path
