@@ -158,8 +158,9 @@ def test_adafactor_steps_each_expert_as_fairseq_steps_a_parameter_of_its_own(set
             assert not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == E, key
 
 
-ADAFACTOR = ("--optimizer", "adafactor", "--lr", "0.01", "--moe-capacity-factor", "0", "--dropout", "0",
-             "--attention-dropout", "0", "--moe-expert-count", "4", "--required-batch-size-multiple", "1", *CLIP)
+EXACT = ("--moe-capacity-factor", "0", "--dropout", "0", "--attention-dropout", "0", "--moe-expert-count", "4",
+         "--required-batch-size-multiple", "1", *CLIP)  # (dropless, no dropout: W ranks can equal one process)
+ADAFACTOR = ("--optimizer", "adafactor", "--lr", "0.01", *EXACT)
 # The key projections' biases have an exactly-zero gradient (softmax ignores a shift): Adafactor, which divides by
 # the gradient's RMS, turns its float rounding into full steps of random sign, on one process as on W ranks.
 NOISE = ".k_proj.bias"
@@ -239,3 +240,27 @@ def test_adafactor_state_of_a_stacked_bias_from_before_is_converted():
     new.load_state_dict(old.state_dict())
     new.step()
     assert new.state[b]["exp_avg_sq"].shape == (3, 4) and "exp_avg_sq_row" not in new.state[b]
+
+
+@pytest.mark.slow
+def test_zero_with_memory_efficient_fp16_is_the_unsharded_run(data_bin, tmp_path):
+    """--memory-efficient-fp16 (fp16 parameters, fp32 optimizer state) on 2 ranks: with --zero-sharding os the
+    parameters and the state are bit for bit those of the run without it, the state stays fp32, and so after a
+    resume (3 + 3 updates). (A resumed fp16 run is not the uninterrupted one, with or without ZeRO: fairseq saves
+    the loss scale but not its scaler's count since the last change.)"""
+    def run(name, *extra, updates=3):
+        finish(launch(2, tmp_path / name, *train_argv(data_bin, tmp_path / name, "--memory-efficient-fp16",
+                                                      *EXACT, "--optimizer", "adam", "--lr", "0.001",
+                                                      "--max-update", str(updates), *extra)))
+        return full(tmp_path / name / "checkpoint_last")
+
+    for updates in (3, 6):
+        zero, plain = run("zero", "--zero-sharding", "os", updates=updates), run("plain", updates=updates)
+        assert all(torch.equal(zero["model"][k], plain["model"][k]) for k in plain["model"])
+        sz, sp = zero["last_optimizer_state"]["state"], plain["last_optimizer_state"]["state"]
+        assert sorted(sz) == sorted(sp)
+        for index, entry in sp.items():
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    assert sz[index][key].dtype == value.dtype and torch.equal(sz[index][key], value), (index, key)
+        assert {v.dtype for e in sz.values() for v in e.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
