@@ -2,9 +2,11 @@
 # The device run of the GPU side of the kernels, in one call (from the repository root, on a CUDA
 # machine that has torch and triton; fairseq is not needed):
 #     bash benchmarks/gpu_check.sh [OUT_DIR]
-# 1. the gpu-marked tests: bf16/fp16 kernels against fp32 references, offsets past 2^31, determinism;
-# 2. benchmarks/bench_kernels.py: correctness on the device, then timings against the device's dense
-#    bf16 matmul rate and copy bandwidth, with PASS/FAIL per target (JSON + log in OUT_DIR).
+# 1. the gpu-marked tests: bf16/fp16 kernels (Triton, and the expert MLP on torch's grouped_mm that
+#    --moe-kernel-backend auto takes on CUDA) against fp32 references, offsets past 2^31, determinism;
+# 2. benchmarks/bench_kernels.py: correctness on the device of every backend (triton, grouped_mm, torch),
+#    then timings against the device's dense bf16 matmul rate and copy bandwidth, with PASS/FAIL per
+#    target (JSON + log in OUT_DIR).
 # Both steps have time limits that together stay under 10 minutes. Record the figures in
 # benchmarks/kernel_notes.md and the README (device, date, command).
 set -uo pipefail
