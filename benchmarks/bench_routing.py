@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_layer import dense_backward, dense_forward, finish, interleaved, moe_backward, parser, start  # noqa: E402
 from fairseq_moe.inspect import recording  # noqa: E402  (what a layer hands its expert computation)
+from fairseq_moe_kernels import backend  # noqa: E402
 from fairseq_moe_layer import MoEConfig, MoELayer  # noqa: E402
 from kernel_cases import DenseFFNs  # noqa: E402
 
@@ -94,7 +95,8 @@ def run_policy(args, name, E, T):
         rows = routed.index_select(0, token_index).requires_grad_()
         experts = layer.experts
         baseline, base_x, base_grad = experts, rows, torch.randn_like(rows)
-        base_forward = lambda model, r: model(r, counts)  # noqa: E731  (the torch backend's grouped MLP)
+        ops = backend.ops(backend.resolve(args.backend, rows.device, rows.dtype))  # (the layer's expert MLP)
+        base_forward = lambda model, r: model(r, counts, ops)  # noqa: E731
         result["rows"] = rows.shape[0]
     else:
         baseline = DenseFFNs(d, f, E if kind == "dense" else k, "relu", "cpu", torch.float32).train()

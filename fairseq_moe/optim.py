@@ -163,8 +163,9 @@ class ExpertZeRO(torch.optim.Optimizer):
         for i in to_global:
             if i in by_global:
                 p = self._params[i]
-                self.inner.state[p] = {k: v.to(p.device, copy=True) if torch.is_tensor(v) else v
-                                       for k, v in by_global[i].items()}
+                self.inner.state[p] = {k: (v.clone() if k == "step" else v.to(p.device, copy=True))
+                                       if torch.is_tensor(v) else v for k, v in by_global[i].items()}  # (torch
+                # keeps a step counter on the CPU unless capturable)
         self.state = self.inner.state
 
 

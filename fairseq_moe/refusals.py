@@ -156,15 +156,16 @@ REFUSALS = (
             "--ddp-backend fully_sharded is not supported with experts spread over ranks",
             "FSDP would shard the experts a second time, across ranks that hold different experts",
             {"spread": True, "flags": {"ddp_backend": "fully_sharded"}}),
-    Refusal("Adafactor's --scale-parameter with spread experts or ZeRO", ("--optimizer", "--scale-parameter",
-                                                                          "--zero-sharding"), "trainer",
-            lambda c: c.flag("optimizer") == "adafactor" and bool(c.flag("scale_parameter", False)) and (
-                c.spread or c.flag("zero_sharding", "none") != "none"),
-            "--scale-parameter (Adafactor) cannot be used with experts spread over ranks or with --zero-sharding: "
-            "fairseq's Adafactor carries each parameter's RMS-scaled learning rate into the next parameter's, a "
-            "chain in parameter order that ranks holding different parameters cannot reproduce",
-            "fairseq's Adafactor step writes its per-parameter lr into the group, which the next parameter reads",
-            {"spread": True, "flags": {"optimizer": "adafactor", "scale_parameter": True}}),
+    Refusal("Adafactor's --scale-parameter with ZeRO", ("--optimizer", "--scale-parameter", "--zero-sharding"),
+            "trainer",
+            lambda c: c.flag("optimizer") == "adafactor" and bool(c.flag("scale_parameter", False)) and
+            c.flag("zero_sharding", "none") != "none",
+            "--scale-parameter (Adafactor) cannot be used with --zero-sharding: fairseq's Adafactor carries each "
+            "parameter's RMS-scaled learning rate into the next parameter's, a chain in parameter order that ranks "
+            "stepping different parameters cannot reproduce",
+            "fairseq's Adafactor step writes its per-parameter lr into the group, which the next parameter reads "
+            "(with spread experts alone every rank steps the same dense parameters first, and the experts read it)",
+            {"flags": {"optimizer": "adafactor", "scale_parameter": True, "zero_sharding": "os"}}),
     Refusal("the composite optimizer with spread experts", ("--optimizer",), "trainer",
             lambda c: c.spread and c.flag("optimizer") == "composite",
             "--optimizer composite is not supported with experts spread over ranks: its state (one optimizer per "

@@ -70,8 +70,9 @@ class LayerSettings:
     kernel_backend: str = setting(
         "auto", "the layer's kernels: torch (PyTorch ops, a GEMM per expert), grouped_mm (the experts on PyTorch's "
                 "grouped GEMM), or triton (the fused Triton kernels, which have not yet run on a GPU); auto = "
-                "grouped_mm on CUDA where torch runs the dtype, torch elsewhere (never triton); a backend that "
-                "cannot run is an error at start-up", choices=kernel_backends.BACKENDS)
+                "grouped_mm for bf16 on CUDA devices of compute capability 9.x/10.x (PyTorch's CUTLASS kernel), "
+                "torch elsewhere (never triton); a backend that cannot run is an error at start-up",
+        choices=kernel_backends.BACKENDS)
     routing: str = setting(TopK.name, "who goes where", choices=ROUTINGS)
     gate_noise: str = setting(
         "none", "training-only router noise: jitter multiplies the gate's input by U(1-S, 1+S) (Switch, "

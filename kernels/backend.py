@@ -5,8 +5,9 @@
 
 torch: the references (reference.py: one GEMM per expert). grouped_mm: the expert MLP on PyTorch's own grouped
 GEMM (torch_grouped.py), the rest the references'. triton: the fused Triton kernels.
-auto takes the proven path: grouped_mm on a CUDA device where torch's grouped GEMM runs the dtype (probed once),
-else torch. Never triton: its kernels have run only under Triton's interpreter on a CPU, not yet on a GPU
+auto takes the proven path: grouped_mm where PyTorch runs its grouped GEMM kernel (CUTLASS: bf16 on compute
+capability 9.x and 10.x, Hopper and Blackwell; elsewhere torch's grouped_mm is a loop of mm calls of its own, no
+better than the reference), else torch. Never triton: its kernels have run only under Triton's interpreter on a CPU, not yet on a GPU
 (benchmarks/gpu_check.sh is the check that would change that); they run when asked for by name. An explicit
 backend that cannot run is an error that says why, never a silent fallback: a user who asked for the fused
 kernels should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
@@ -60,8 +61,7 @@ def resolve(name, device, dtype=None):
     if name == "torch":
         return "torch"
     if name == "auto":
-        grouped = device.type == "cuda" and torch_grouped.supported(device, dtype or torch.float32)
-        return "grouped_mm" if grouped else "torch"
+        return "grouped_mm" if torch_grouped.fast(device, dtype or torch.float32) else "torch"
     if name == "grouped_mm":
         if not torch_grouped.supported(device, dtype or torch.float32):
             raise ValueError(f"{FLAG} grouped_mm: torch {torch.__version__}'s grouped_mm does not run "

@@ -4,7 +4,8 @@ Same signatures as reference.grouped_mlp and reference.moe_mlp (router, permute 
 reference's). Each of fc1 and fc2 is one grouped GEMM over the expert-sorted rows (offsets: the cumulative
 counts); the biases are gathered per row; autograd differentiates through grouped_mm (its backward is grouped
 GEMMs too: CUTLASS on Hopper, what torchtitan's MoE trains with). PyTorch tests it on GPUs, so it is the proven
-path that `auto` takes on CUDA where the dtype is supported (supported(), probed once per device and dtype).
+path that `auto` takes where PyTorch runs its own kernel (fast(): bf16 on Hopper and Blackwell); supported()
+says where it runs at all (probed once per device and dtype), which an explicit grouped_mm needs.
 Activation dropout draws its mask as the reference does (the same generator calls, in the same order).
 grouped_mm wants rows of 16 bytes: other widths d and f are padded with zeros for the GEMMs (a copy of the
 weights per call: meant for odd test sizes, real models have aligned widths).
@@ -46,11 +47,16 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [N, d], w1: [E, d, f]"
     assert counts.numel() == w1.shape[0] == w2.shape[0], "one count per expert"
     _sizes(counts, x.shape[0])
-    if x.shape[0] == 0:  # (no rows: a GEMM of nothing; the weights still get their zero gradients)
-        return x.new_zeros(0, w2.shape[2]) + 0 * (w1.sum() + b1.sum() + w2.sum() + b2.sum())
+    if x.shape[0] == 0:  # (no rows: a GEMM of nothing; the weights get zero gradients, and x stays in the graph,
+        # so that a rank whose experts got no rows still runs the backward of the all-to-all that brought them)
+        return x.new_zeros(0, w2.shape[2]) + 0 * (x.sum() + w1.sum() + b1.sum() + w2.sum() + b2.sum())
+    if x.shape[0] >= 2 ** 31:
+        raise ValueError(f"grouped_mm's offsets are int32: {x.shape[0]} rows are too many; use --moe-kernel-backend "
+                         f"torch")
     counts = counts.to(x.device)
     offs = counts.cumsum(0).to(torch.int32)
-    expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+    expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                            output_size=x.shape[0])
     d, f = w1.shape[1], w1.shape[2]
     dp, fp = _aligned(d, x.dtype), _aligned(f, x.dtype)
     if (dp, fp) != (d, f):  # zeros to 16-byte rows (they add nothing: act(0) = 0 for relu, gelu and silu)
@@ -77,20 +83,41 @@ def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", 
     return unpermute(rows, token_index, weights, x.shape[0])
 
 
-@lru_cache(maxsize=None)
+def fast(device, dtype):
+    """Whether PyTorch runs its grouped GEMM kernel here (CUTLASS, bf16 on compute capability 9.x/10.x: Hopper,
+    Blackwell), where `auto` takes this backend; elsewhere torch's grouped_mm falls back to a loop of mm calls
+    (offsets copied to the host), which the reference's hand-written backward beats in memory."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype != torch.bfloat16 or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10) and supported(device, dtype)
+
+
 def supported(device, dtype):
-    """Whether grouped_mm runs forward and backward for `dtype` on `device` (torch.device), tried once on a tiny
-    problem: the CUDA kernels need some dtypes and compute capabilities, the CPU one runs what it runs."""
+    """Whether grouped_mm runs the GEMMs of a forward and a backward for `dtype` on `device`, tried once per device
+    (an index-less cuda is the current device) and dtype on a tiny problem."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _supported(device, dtype)
+
+
+@lru_cache(maxsize=None)
+def _supported(device, dtype):
     try:
-        with torch.inference_mode(False), torch.enable_grad():  # (asked first under no_grad: generation, validation)
-            return _probe(device, dtype)
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError, AssertionError):
+        return _probe(device, dtype)
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError, AssertionError, ValueError):
         return False
 
 
 def _probe(device, dtype):
-    x = torch.randn(3, 8, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-    y = F.grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
-    y.backward(torch.ones_like(y))
-    return bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all())
+    """The three GEMM forms of fc1's forward and backward, called directly: no autograd graph, no saved tensor and
+    no random number (it may first run inside a checkpointed forward, whose recompute would not repeat it)."""
+    with torch.no_grad():
+        offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+        x = torch.linspace(-1, 1, 24 * 8, device=device).view(24, 8).to(dtype)  # [N, d]
+        w = torch.linspace(-1, 1, 2 * 8 * 8, device=device).view(2, 8, 8).to(dtype)  # [E, d, f]
+        y = F.grouped_mm(x, w, offs=offs)  # forward: [N, f]
+        gx = F.grouped_mm(y, w.transpose(1, 2), offs=offs)  # d x: [N, d]
+        gw = F.grouped_mm(x.t(), y, offs=offs)  # d w: [E, d, f]
+        return bool(torch.isfinite(gx).all() and torch.isfinite(gw).all() and gw.shape == w.shape)

@@ -183,7 +183,7 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     from fairseq_moe_layer.comm import ExpertParallel
 
     task, _, criterion, args = build(train_argv(data_bin, tmp_path, "--optimizer", "adafactor", "--lr", "0.01",
-                                                "--scale-parameter"))
+                                                "--scale-parameter", "--zero-sharding", "os"))
     cfg = convert_namespace_to_omegaconf(args)
     flags = training_flags(cfg)
     assert (flags.optimizer, flags.fp16, flags.ddp_backend) == ("adafactor", False, args.ddp_backend)

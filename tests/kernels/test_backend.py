@@ -33,17 +33,24 @@ def test_auto_is_torch_on_cpu_even_with_the_interpreter(monkeypatch):
     assert backend.resolve("auto", "cpu") == "torch"
 
 
-def test_auto_on_cuda_is_grouped_mm_where_it_runs_never_triton(monkeypatch):
-    """auto takes the proven path: torch's grouped GEMM where it runs the dtype on that device, else the
-    references; the Triton kernels (never run on a GPU yet) only when asked for."""
-    monkeypatch.setattr(backend.torch_grouped, "supported", lambda device, dtype: dtype == torch.bfloat16)
-    assert backend.resolve("auto", "cuda:0", torch.bfloat16) == "grouped_mm"
-    assert backend.resolve("auto", "cuda:0", torch.float16) == "torch"
+def test_auto_is_grouped_mm_where_torch_runs_its_kernel_never_triton(monkeypatch):
+    """auto takes the proven path: torch's grouped GEMM where PyTorch runs its own kernel (bf16 on compute
+    capability 9.x/10.x), else the references; the Triton kernels (never run on a GPU yet) only when asked for."""
+    from fairseq_moe_kernels import torch_grouped
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch_grouped, "supported", lambda device, dtype: True)
+    for capability, dtype, want in (((9, 0), torch.bfloat16, "grouped_mm"), ((10, 0), torch.bfloat16, "grouped_mm"),
+                                    ((9, 0), torch.float16, "torch"), ((9, 0), torch.float32, "torch"),
+                                    ((8, 0), torch.bfloat16, "torch")):  # (A100: torch's own loop of mm calls)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert backend.resolve("auto", "cuda:0", dtype) == want, (capability, dtype)
     assert backend.resolve("auto", "cpu", torch.bfloat16) == "torch"  # (the CPU keeps the references)
 
 
-def test_auto_on_cuda_without_a_gpu_is_torch(no_triton):
-    assert backend.resolve("auto", "cuda:0") == "torch"  # (this CPU build: no CUDA tensor, so no grouped_mm)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build's answer")
+def test_auto_on_cuda_without_a_gpu_is_torch():
+    assert backend.resolve("auto", "cuda:0", torch.bfloat16) == "torch"
 
 
 def test_grouped_mm_where_it_cannot_run_is_an_error(monkeypatch):

@@ -62,7 +62,7 @@ def test_no_rows():
 
 
 def test_the_probe():
-    torch_grouped.supported.cache_clear()
+    torch_grouped._supported.cache_clear()
     with torch.no_grad():  # (first asked under no_grad, as in generation: it still probes forward and backward)
         assert torch_grouped.supported(torch.device("cpu"), torch.float32)
     with torch.inference_mode():
@@ -78,13 +78,12 @@ GPU_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}  # re
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_grouped_mm_on_the_gpu_close_to_the_fp32_reference(dtype):
     """On the device (benchmarks/gpu_check.sh runs it): where torch's grouped GEMM runs the dtype, the expert
-    MLP (output and every gradient) is close to the fp32 reference at sizes of many tiles; where it does not,
-    auto keeps the reference (and says so here as a skip)."""
+    MLP (output and every gradient) is close to the fp32 reference at sizes of many tiles; auto takes it only where
+    PyTorch runs its own kernel (bf16 on Hopper and Blackwell)."""
     device = torch.device("cuda")
+    assert backend.resolve("auto", device, dtype) == ("grouped_mm" if torch_grouped.fast(device, dtype) else "torch")
     if not torch_grouped.supported(device, dtype):
-        assert backend.resolve("auto", device, dtype) == "torch"
         pytest.skip(f"torch {torch.__version__}'s grouped_mm does not run {dtype} on this device")
-    assert backend.resolve("auto", device, dtype) == "grouped_mm"
     I = make_inputs(reference, E=8, T=1000, d=264, k=2, dtype=dtype, device="cuda", seed=3, empty_expert=True, f=712)
     exact = {n: (v.detach().float().requires_grad_(v.requires_grad) if torch.is_tensor(v) and v.is_floating_point()
                  else v) for n, v in I.items()}
@@ -96,3 +95,26 @@ def test_grouped_mm_on_the_gpu_close_to_the_fp32_reference(dtype):
                                    [*true_out, *true_grads]):
             err = float((got.float() - true).norm() / true.norm().clamp(min=1e-30))
             assert err < GPU_TOL[dtype], (op, name, err)
+
+
+def test_no_rows_keep_the_input_in_the_graph():
+    """A rank whose experts got no rows still runs the backward of what brought them (the all-to-all): the output's
+    graph reaches x, as the reference's does."""
+    x = torch.randn(0, 4, requires_grad=True)
+    ws = [torch.randn(2, 4, 8, requires_grad=True), torch.randn(2, 8), torch.randn(2, 8, 4), torch.randn(2, 4)]
+    for fn in (torch_grouped.grouped_mlp, reference.grouped_mlp):
+        (gx,) = torch.autograd.grad(fn(x, torch.zeros(2, dtype=torch.long), *ws).sum(), [x])
+        assert gx.shape == (0, 4)
+
+
+def test_the_probe_draws_no_random_number_and_saves_no_tensor():
+    """It may first run inside a checkpointed forward, whose recompute would not run it again."""
+    torch_grouped._supported.cache_clear()
+    state = torch.random.get_rng_state()
+
+    def saved(t):
+        raise AssertionError("the probe saved a tensor for a backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+        assert torch_grouped.supported("cpu", torch.float32)
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -28,7 +28,8 @@ def run(backend, cfg, x, mask, seed=0):
     (1, 1.0, "top1_weight=one")])
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
 def test_layer_on_each_backend_equals_torch_layer(backend, top_k, capacity_factor, routing):
-    """Options of top-k routing skip the fused router; the rest of the Triton path stays."""
+    """Every routing policy through the backend's expert MLP (Triton: options of top-k routing skip its fused router,
+    the rest of its path stays)."""
     if backend == "triton":
         pytest.importorskip("triton")
     option = {"batch_prioritized_routing": dict(batch_prioritized_routing=True),
