@@ -7,8 +7,9 @@ torch: the references (reference.py: one GEMM per expert). grouped_mm: the exper
 GEMM (torch_grouped.py), the rest the references'. triton: the fused Triton kernels.
 auto takes the proven path: grouped_mm where PyTorch runs its grouped GEMM kernel (CUTLASS: bf16 on compute
 capability 9.x and 10.x, Hopper and Blackwell; elsewhere torch's grouped_mm is a loop of mm calls of its own, no
-better than the reference), else torch. Never triton: its kernels have run only under Triton's interpreter on a CPU, not yet on a GPU
-(benchmarks/gpu_check.sh is the check that would change that); they run when asked for by name. An explicit
+better than the reference), else torch. Never triton: its kernels have run only under Triton's interpreter on a
+CPU, not yet on a GPU (benchmarks/gpu_check.sh is the check that would change that); they run when asked for by
+name. An explicit
 backend that cannot run is an error that says why, never a silent fallback: a user who asked for the fused
 kernels should not measure the reference ones. Triton is imported only here, lazily, and the triton_* modules
 only by ops("triton"), so `import fairseq_moe_kernels` works without triton.
