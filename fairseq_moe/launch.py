@@ -16,6 +16,7 @@ use torchrun or Slurm as usual.
 import argparse
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,7 +44,24 @@ def die_with(parent):
 
 
 def free_port():
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out for a bind to 0 comes from
+    that range, and before rank 0 listens on it another process's outgoing connection (a gloo rank of a job beside
+    this one) can take it as its local port: EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(ephemeral, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (none found below the range: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import resource
 import signal
-import socket
 import time
 from datetime import timedelta
 
@@ -120,9 +119,9 @@ def rank_main(folder, rank, W, port, fault, victim):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from fairseq_moe.launch import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
 
 
 def run_ranks(tmp_path, W, fault, victim):

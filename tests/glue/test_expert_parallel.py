@@ -225,8 +225,6 @@ def test_torchrun_equals_the_launcher(data_bin, tmp_path, launched):
 
 
 def _free_port():
-    import socket
+    from fairseq_moe.launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
