@@ -113,14 +113,6 @@ class ExpertZeRO(torch.optim.Optimizer):
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def zero_grad(self, set_to_none=True):
-        for g in self.param_groups:
-            for p in g["params"]:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
-
     def _inner_to_global(self):
         return [i for g in self._inner_of for i in self.mine[g]]
 
@@ -151,10 +143,11 @@ class ExpertZeRO(torch.optim.Optimizer):
         saved_index = {idx: i for j, s in enumerate(saved) for idx, i in zip(s["params"], self._indices(j))}
         by_global = {saved_index[k]: v for k, v in state_dict["state"].items() if k in saved_index}
         to_global = self._inner_to_global()
-        inner_groups = [dict({k: v for k, v in saved[g].items() if k != "params"},
-                             params=list(range(sum(len(self.mine[h]) for h in self._inner_of[:n]),
-                                               sum(len(self.mine[h]) for h in self._inner_of[:n + 1]))))
-                        for n, g in enumerate(self._inner_of)]
+        inner_groups, first = [], 0  # (the inner optimizer numbers its parameters 0, 1, ... across its groups)
+        for g in self._inner_of:
+            inner_groups.append(dict({k: v for k, v in saved[g].items() if k != "params"},
+                                     params=list(range(first, first + len(self.mine[g])))))
+            first += len(self.mine[g])
         self.inner.load_state_dict({"state": {j: by_global[i] for j, i in enumerate(to_global) if i in by_global},
                                     "param_groups": inner_groups})
         # torch casts the loaded state to each parameter's dtype: with --memory-efficient-fp16 an fp16 parameter

@@ -36,9 +36,9 @@ def _grouped(x, w, offs, bias, expert_of_row):
     return y + bias.index_select(0, expert_of_row)
 
 
-def _aligned(n, dtype):
+def _aligned(n, element_size):
     """n rounded up so that a row of n elements is a multiple of 16 bytes (grouped_mm's stride rule)."""
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // element_size)
     return -(-n // per) * per
 
 
@@ -58,7 +58,7 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                             output_size=x.shape[0])
     d, f = w1.shape[1], w1.shape[2]
-    dp, fp = _aligned(d, x.dtype), _aligned(f, x.dtype)
+    dp, fp = _aligned(d, x.element_size()), _aligned(f, x.element_size())
     if (dp, fp) != (d, f):  # zeros to 16-byte rows (they add nothing: act(0) = 0 for relu, gelu and silu)
         x, w1, b1 = F.pad(x, (0, dp - d)), F.pad(w1, (0, fp - f, 0, dp - d)), F.pad(b1, (0, fp - f))
         w2, b2 = F.pad(w2, (0, dp - d, 0, fp - f)), F.pad(b2, (0, dp - d))

@@ -264,3 +264,38 @@ def test_zero_with_memory_efficient_fp16_is_the_unsharded_run(data_bin, tmp_path
                 if torch.is_tensor(value):
                     assert sz[index][key].dtype == value.dtype and torch.equal(sz[index][key], value), (index, key)
         assert {v.dtype for e in sz.values() for v in e.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
+
+
+def test_zero_state_dict_is_numbered_like_the_unsharded_one_across_groups():
+    """Two parameter groups, an expert among them: ExpertZeRO's state dict equals torch's own optimizer's on the
+    same steps (one process), and loads back into a fresh ExpertZeRO and into torch's optimizer."""
+    from fairseq_moe.optim import ExpertZeRO
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (3, 5, 2, 4)]
+        ps[2].expert = True
+        return ps
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 0.1}, {"params": ps[2:], "lr": 0.01}]
+
+    ours_p, theirs_p = params(), params()
+    ours, theirs = ExpertZeRO(groups(ours_p), torch.optim.Adam, lr=0.1), torch.optim.Adam(groups(theirs_p), lr=0.1)
+    for step in range(2):
+        for ps in (ours_p, theirs_p):
+            for i, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (i + 1 + step))
+        ours.step()
+        theirs.step()
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]] == [[0, 1], [2, 3]]
+    assert sorted(a["state"]) == sorted(b["state"]) == [0, 1, 2, 3]
+    for i in b["state"]:
+        for key in b["state"][i]:
+            torch.testing.assert_close(a["state"][i][key], b["state"][i][key])
+    again = ExpertZeRO(groups(params()), torch.optim.Adam, lr=0.1)
+    again.load_state_dict(b)
+    for i in b["state"]:
+        torch.testing.assert_close(again.state_dict()["state"][i]["exp_avg"], b["state"][i]["exp_avg"])
+    torch.optim.Adam(groups(params()), lr=0.1).load_state_dict(a)  # (the other way: torch reads ours)
