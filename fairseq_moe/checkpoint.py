@@ -27,16 +27,27 @@ import torch.distributed as dist
 from fairseq_moe_layer.comm import local_experts
 
 from . import expert_checkpoint as shards
-from . import commit, patches, refusals, safe_eval
+from . import commit, fsdp, patches, refusals, safe_eval
 from .errors import CheckpointError, FlagError, MissingCheckpointError, SaveError
 from .fits import check_expert_layout, check_fits
 
 SAFE_GLOBALS = [argparse.Namespace]
+
+
+def _numpy_globals():
+    """What a NumPy array or scalar pickles as (fairseq's --eval-bleu keeps its BLEU counts in the metrics as
+    arrays): the array and scalar reconstructors, ndarray, dtype and its classes. They build data only; an object
+    array's items go through the same restricted unpickler."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    dtypes = [getattr(np.dtypes, name) for name in getattr(np.dtypes, "__all__", ())] if hasattr(np, "dtypes") else []
+    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 logger = logging.getLogger(__name__)
 
 
 def register_safe_globals():
-    torch.serialization.add_safe_globals(SAFE_GLOBALS)
+    torch.serialization.add_safe_globals(SAFE_GLOBALS + _numpy_globals())
 
 
 def expert_params(model, spread_only=False):
@@ -414,7 +425,8 @@ class LoadForRank:
         self.world_size = trainer.data_parallel_world_size
         self.experts = {n: E for n, (_, _, E) in expert_params(trainer.get_model()).items()}
         # (the model's state-dict names: what a checkpoint holds, also under wrappers that flatten parameters)
-        self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
+        with fsdp.shapes_only():  # (a sharded model's global shapes, nothing gathered)
+            self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
         self.model_cfg, self.log = trainer.cfg.model, trainer.data_parallel_rank == 0
         self.store_ema = bool(trainer.cfg.ema.store_ema)
 

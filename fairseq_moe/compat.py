@@ -80,7 +80,8 @@ def torchrun_on_cpu(infer_init_method):
     --distributed-world-size is given, so N ranks train N independent models into one save folder; and with the flag
     it divides the rank by torch.cuda.device_count(), 0. Here the ranks join one job of WORLD_SIZE ranks through the
     environment (env://), each process its own rank. NCCL and PyTorch DDP's device ids need CUDA: without it,
-    --distributed-backend gloo and --ddp-backend legacy_ddp are required, by name."""
+    --distributed-backend gloo and --ddp-backend legacy_ddp (or fully_sharded: torch's FSDP, fsdp.py) are required,
+    by name."""
 
     def wrapped(cfg, force_distributed=False):
         cpu = torch.cuda.device_count() == 0 and cfg.distributed_init_method is None and not cfg.tpu
@@ -97,7 +98,7 @@ def torchrun_on_cpu(infer_init_method):
             return infer_init_method(cfg, force_distributed)
         wrong = [f"--{flag} {value}" for flag, value, ok in (
             ("distributed-backend", cfg.distributed_backend, cfg.distributed_backend == "gloo"),
-            ("ddp-backend", cfg.ddp_backend, cfg.ddp_backend in ("legacy_ddp", "no_c10d")))
+            ("ddp-backend", cfg.ddp_backend, cfg.ddp_backend in ("legacy_ddp", "no_c10d", "fully_sharded")))
             if not ok]
         if wrong:
             raise FlagError(f"{' and '.join(wrong)} cannot run without CUDA: with {world_size} CPU ranks add "

@@ -69,6 +69,27 @@ PATCHES = (
           "rank 0 only once the new sets are committed", scoped=True),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
+    # --ddp-backend fully_sharded on torch's FSDP, the experts left expert-parallel (fsdp.py)
+    Patch(_TRAINER, "is_fsdp", "fairseq_moe.fsdp:trainer_is_fsdp",
+          "fairseq's fully_sharded is fairscale's FSDP (CUDA streams; it would shard the experts again): here it is "
+          "torch's, which the rest of the Trainer treats as a data-parallel run"),
+    Patch(_TRAINER, "always_call_state_dict_during_save_checkpoint", "fairseq_moe.fsdp:trainer_always_call_state_dict",
+          "the state dict of a sharded model gathers each dense tensor: every rank takes part"),
+    Patch(_TRAINER, "_build_optimizer", "fairseq_moe.fsdp:trainer_build_optimizer",
+          "on a sharded model: pointwise optimizers only, and the optimizer state saved whole, loaded as this rank's "
+          "rows", wraps=True),
+    Patch("fairseq.models", "DistributedFairseqModel", "fairseq_moe.fsdp:distributed_model",
+          "--ddp-backend fully_sharded shards the model in place with torch's fully_shard, experts left out",
+          wraps=True),
+    Patch("fairseq.utils", "clip_grad_norm_", "fairseq_moe.fsdp:clip_grad_norm",
+          "gradients of a sharded model are DTensors: the norm from each rank's rows, summed over the ranks",
+          wraps=True),
+    Patch("fairseq.optim.fairseq_optimizer:FairseqOptimizer", "multiply_grads", "fairseq_moe.fsdp:multiply_grads",
+          "its foreach cannot mix a sharded model's DTensor gradients with the experts' tensors", wraps=True),
+    Patch("fairseq_cli.train", "fsdp_enable_wrap", "fairseq_moe.fsdp:train_wrap_enabled",
+          "fairscale's auto-wrapping context (an ImportError without fairscale): fsdp.shard makes the units"),
+    Patch("fairseq_cli.train", "fsdp_wrap", "fairseq_moe.fsdp:train_wrap",
+          "fairscale's wrap: the model is sharded when the Trainer wraps it (fsdp.shard)"),
     Patch("fairseq.optim", "shard_", "fairseq_moe.optim:shard_with_experts",
           "--zero-sharding os with the experts spread: fairscale's OSS would broadcast one rank's experts over the "
           "others'; here the dense parameters' state is cut over the ranks and each keeps its experts' (optim.py)",

@@ -90,6 +90,21 @@ def _model_routed_by(routing, **settings):
     return nn.Sequential(MoELayer(MoEConfig(model_dim=4, ffn_dim=4, num_experts=2, routing=routing, **settings)))
 
 
+# What torch's FSDP behind --ddp-backend fully_sharded (fsdp.py) does not do: (flag, refused(ctx), why, example flags)
+_FSDP_REFUSED = (
+    ("--zero-sharding", lambda c: c.flag("zero_sharding", "none") != "none", "FSDP shards the optimizer state already",
+     {"zero_sharding": "os"}),
+    ("--use-sharded-state", lambda c: bool(c.flag("use_sharded_state", False)),
+     "a checkpoint holds each dense tensor whole, as without FSDP", {"use_sharded_state": True}),
+    ("--cpu-offload", lambda c: bool(c.flag("cpu_offload", False)), "offloading to the CPU is not built",
+     {"cpu_offload": True}),
+    ("--store-ema", lambda c: bool(c.flag("store_ema", False)),
+     "the EMA copy would be a whole, unsharded model on every rank", {"store_ema": True}),
+    ("--fp16", lambda c: bool(c.flag("fp16", False)) and not c.flag("memory_efficient_fp16", False),
+     "a flat fp32 copy of sharded parameters is not built; add --memory-efficient-fp16", {"fp16": True}),
+    ("--bf16", lambda c: bool(c.flag("bf16", False)), "fairseq 0.12's --bf16 runs on XLA", {"bf16": True}),
+)
+
 REFUSALS = (
     Refusal("product quantization noise with MoE layers", ("--quant-noise-pq",), "build",
             lambda c: (c.flag("quant_noise_pq", 0) or 0) > 0,
@@ -151,11 +166,11 @@ REFUSALS = (
             "must all be on disk before older sets are deleted",
             "no rank deletes an old checkpoint before every rank has written the new set",
             {"spread": True, "flags": {"write_checkpoints_asynchronously": True}}),
-    Refusal("fully sharded data parallel with spread experts", ("--ddp-backend",), "trainer",
-            lambda c: c.spread and c.flag("ddp_backend") == "fully_sharded",
-            "--ddp-backend fully_sharded is not supported with experts spread over ranks",
-            "FSDP would shard the experts a second time, across ranks that hold different experts",
-            {"spread": True, "flags": {"ddp_backend": "fully_sharded"}}),
+    *(Refusal(f"{flag} with fully sharded data parallel", (flag, "--ddp-backend"), "trainer",
+              lambda c, on=on: c.flag("ddp_backend") == "fully_sharded" and on(c),
+              f"{flag} cannot be used with --ddp-backend fully_sharded (torch's FSDP here, fsdp.py): {why}", why,
+              {"flags": {"ddp_backend": "fully_sharded", **example}})
+      for flag, on, why, example in _FSDP_REFUSED),
     Refusal("Adafactor's --scale-parameter with ZeRO", ("--optimizer", "--scale-parameter", "--zero-sharding"),
             "trainer",
             lambda c: c.flag("optimizer") == "adafactor" and bool(c.flag("scale_parameter", False)) and

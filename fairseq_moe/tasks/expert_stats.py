@@ -23,6 +23,7 @@ from fairseq.distributed import utils as dist_utils
 from fairseq_moe_layer.lockstep import lockstep
 from fairseq_moe_layer.options import refusal, setting
 
+from .. import fsdp
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 from ..models.moe_transformer import at_update
@@ -175,6 +176,10 @@ class MoETaskMixin:
         # the logging outputs). Without spread experts this changes nothing.
         with lockstep(model):
             return super().valid_step(sample, model, criterion)
+
+    def _inference_with_bleu(self, generator, sample, model):  # (translation tasks' --eval-bleu)
+        with fsdp.whole_outer_unit(model):
+            return super()._inference_with_bleu(generator, sample, model)
 
     def optimizer_step(self, optimizer, model, update_num):
         super().optimizer_step(optimizer, model, update_num)

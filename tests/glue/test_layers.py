@@ -11,7 +11,7 @@ PACKAGE = os.path.dirname(os.path.abspath(fairseq_moe.__file__))
 # allowed). The layer (fairseq_moe_layer) and the kernels are below them all.
 LAYERS = [
     ("formats", {"errors", "safe_eval", "expert_checkpoint", "commit", "new_files"}, False),
-    ("hooks", {"fits", "refusals", "patches", "compat", "cli", "checkpoint", "spread", "optim"}, True),
+    ("hooks", {"fits", "refusals", "patches", "compat", "cli", "checkpoint", "spread", "optim", "fsdp"}, True),
     ("fairseq's registries", {"models", "criterions", "tasks"}, True),
     ("tools", {"__init__", "reshard", "consolidate", "upcycle", "convert_moe_branch", "export_hf", "prune",
                "inspect", "plot", "launch"}, True),

@@ -420,6 +420,29 @@ def test_pickle_refused_by_load_checkpoint_to_cpu(tmp_path, marker, force_no_wei
     assert not marker.exists()
 
 
+def test_numpy_data_loads_and_a_pickle_inside_an_object_array_is_still_refused(tmp_path, marker,
+                                                                                force_no_weights_only):
+    """fairseq's --eval-bleu keeps its BLEU counts as NumPy arrays in the metrics of every checkpoint: they load
+    (a resume of such a run once failed here), while an object array whose item would run code is refused."""
+    import numpy as np
+
+    from fairseq_moe.expert_checkpoint import read_file
+
+    data = {"extra_state": {"metrics": [(10, "_bleu_counts", "AverageMeter",
+                                         {"val": np.array([8, 0, 0, 0]), "sum": np.float64(2.5)})]}}
+    torch.save(data, tmp_path / "bleu.pt")
+    loaded = read_file(str(tmp_path / "bleu.pt"))  # (what every checkpoint read of the plugin goes through)
+    counts = loaded["extra_state"]["metrics"][0][3]
+    assert counts["val"].tolist() == [8, 0, 0, 0] and counts["sum"] == 2.5
+    evil = np.empty(1, dtype=object)
+    evil[0] = Evil(marker)
+    torch.save({"model": evil}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError) as e:
+        read_file(str(tmp_path / "evil.pt"))
+    assert "weights_only" in refused(e, tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
 def test_pickle_refused_by_generate(data_bin, tmp_path, marker, force_no_weights_only):
     evil = save_evil_pickle(tmp_path / "evil.pt", marker)
     with pytest.raises(CheckpointError) as e:
