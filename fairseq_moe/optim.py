@@ -1,4 +1,5 @@
-"""Optimizers with the experts spread over ranks: ZeRO (ExpertZeRO) and Adafactor (ExpertAdafactor).
+"""Optimizers with the experts spread over ranks: ZeRO (ExpertZeRO), Adafactor (ExpertAdafactor) and --fp16's flat
+fp32 copy (ExpertFlatFP16Optimizer).
 
 ## --zero-sharding os: the replicated parameters' optimizer state cut over the ranks
 
@@ -24,8 +25,15 @@ so a rank holding some of them cannot compute what one process computes. ExpertA
 its place) computes each expert of a parameter marked `.expert` as the moe branch's separate nn.Linear experts
 would be: the same step of fairseq's code, on each slice [d, f] or [f]; its state (second-moment rows and columns,
 RMS) is per expert along the first dimension, so a set cuts it like the experts. Other parameters: fairseq's step.
+
+## --fp16: the flat fp32 copy
+fairseq's FP16Optimizer keeps one flat fp32 tensor of every parameter: its state cannot be cut per expert, its
+clipping norm takes in the experts (different on each rank), and it is built on torch.cuda.current_device().
+ExpertFlatFP16Optimizer (in its place where a parameter is an expert's) keeps the dense parameters flat on their
+device and each expert tensor apart, and numbers its state dict by parameter as the non-flat copy does.
 """
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -275,3 +283,163 @@ def expert_adafactor_class():
 
     _CLASSES["adafactor"] = ExpertAdafactor
     return ExpertAdafactor
+
+
+def flat_fp16_with_experts(fairseq_build):
+    """FP16Optimizer.build_optimizer (--fp16, a flat fp32 master copy): ExpertFlatFP16Optimizer where an expert's
+    parameter is among the parameters, else fairseq's."""
+    fairseq_build = fairseq_build.__func__  # (a classmethod in the class's __dict__)
+
+    def build_optimizer(cls, cfg, params, **kwargs):
+        params = list(params)
+        flatten = not getattr(cfg.common, "fp16_no_flatten_grads", False) and not getattr(cfg.common, "bf16", False)
+        if not flatten or not any(is_expert(p) for p in params):
+            return fairseq_build(cls, cfg, params, **kwargs)
+        return flat_fp16_class().build(cfg, params, **kwargs)
+
+    return classmethod(build_optimizer)
+
+
+def flat_fp16_class():
+    """fairseq's FP16Optimizer with experts (see ExpertFlatFP16Optimizer's docstring)."""
+    if "flat_fp16" in _CLASSES:
+        return _CLASSES["flat_fp16"]
+    from fairseq import optim as fairseq_optim
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    from .errors import CheckpointError, FlagError
+
+    class ExpertFlatFP16Optimizer(FP16Optimizer):
+        """--fp16 with its flat fp32 master copy, with experts: the dense parameters' fp32 copy is one flat tensor
+        (fairseq's, built on the parameters' device: fairseq's own is on torch.cuda.current_device()), and each
+        expert tensor has an fp32 copy of its own, marked `.expert` (clipping and the set see experts as the
+        non-flat optimizer's). The state dict is numbered by parameter like the non-flat optimizer's, the flat
+        state cut into each parameter's slice: a set cuts the experts' state, and a set of a flat run resumes
+        without the flat copy (--fp16-no-flatten-grads, --memory-efficient-fp16) and the other way round."""
+
+        @classmethod
+        def build(cls, cfg, params, **kwargs):
+            dense = [p for p in params if not is_expert(p)]
+            flat = torch.nn.Parameter(torch.cat([p.data.float().reshape(-1) for p in dense]) if dense else
+                                      params[0].data.new_zeros(0, dtype=torch.float32))
+            flat.grad = torch.zeros_like(flat.data)
+            experts = []
+            for p in params:
+                if is_expert(p):
+                    p32 = torch.nn.Parameter(p.data.float())
+                    p32.expert, p32.grad = True, torch.zeros_like(p32.data)
+                    experts.append(p32)
+            fp32_optimizer = fairseq_optim.build_optimizer(cfg.optimizer, [flat, *experts])
+            if not fp32_optimizer.supports_flat_params:
+                raise FlagError(f"--optimizer {cfg.optimizer._name} does not support a flat fp32 copy (--fp16): add "
+                                f"--fp16-no-flatten-grads")
+            return cls(cfg, params, fp32_optimizer, [flat, *experts], **kwargs)
+
+        def __init__(self, cfg, params, fp32_optimizer, fp32_params, **kwargs):
+            super().__init__(cfg, params, fp32_optimizer, fp32_params, **kwargs)
+            self.dense = [i for i, p in enumerate(params) if not is_expert(p)]
+            self.experts = [i for i, p in enumerate(params) if is_expert(p)]
+            self.flat, self.expert_fp32 = fp32_params[0], fp32_params[1:]
+
+        @property
+        def has_flat_params(self):
+            return True
+
+        def _slices(self):
+            offset = 0
+            for i in self.dense:
+                n = self.fp16_params[i].numel()
+                yield i, slice(offset, offset + n)
+                offset += n
+
+        def _sync_fp16_grads_to_fp32(self):
+            if self._needs_sync:
+                for i, where in self._slices():
+                    p = self.fp16_params[i]
+                    if p.grad is None:
+                        self.flat.grad.data[where].zero_()
+                    else:
+                        self.flat.grad.data[where].copy_(p.grad.data.reshape(-1))
+                for i, p32 in zip(self.experts, self.expert_fp32):
+                    grad = self.fp16_params[i].grad
+                    p32.grad.data.copy_(grad.data) if grad is not None else p32.grad.data.zero_()
+                self._needs_sync = False
+
+        def _sync_fp32_params_to_fp16(self):
+            for i, where in self._slices():
+                p = self.fp16_params[i]
+                p.data.copy_(self.flat.data[where].view_as(p.data))
+            for i, p32 in zip(self.experts, self.expert_fp32):
+                self.fp16_params[i].data.copy_(p32.data)
+
+        def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+            """fairseq's FP16Optimizer.clip_grad_norm, the norm taken over each dense parameter's slice of the flat
+            gradient, as the non-flat copy takes it over each parameter (the same bits; fairseq leaves the experts
+            out of the norm and scales them by it)."""
+            from fairseq import utils
+
+            self._sync_fp16_grads_to_fp32()
+            slices = [types.SimpleNamespace(grad=self.flat.grad.data[where].view(self.fp16_params[i].shape))
+                      for i, where in self._slices()]
+            grad_norm = self._multiply_factor * utils.clip_grad_norm_(slices, 0, aggregate_norm_fn)
+            if torch.is_tensor(self._multiply_factor):
+                self._multiply_factor = self._multiply_factor.to(grad_norm.device)
+            if self.scaler is not None:
+                if grad_norm > max_norm > 0.0:
+                    self._multiply_factor *= max_norm / grad_norm
+                self.scaler.check_overflow(grad_norm)
+            elif max_norm > 0.0:
+                self._multiply_factor *= (max_norm / (grad_norm + 1e-6)).clamp_(max=1)
+            return grad_norm
+
+        def zero_grad(self):
+            for p in self.fp16_params:
+                p.grad = None
+            for p32 in (self.flat, *self.expert_fp32):
+                p32.grad.zero_()
+            self._needs_sync = False
+            if self.scaler is not None:
+                self._multiply_factor = 1.0 / float(self.scaler.loss_scale)
+
+        def _is_flat(self, value):
+            return torch.is_tensor(value) and value.dim() == 1 and value.numel() == self.flat.numel() > 0
+
+        def state_dict(self):
+            state_dict = super().state_dict()
+            inner, out = state_dict["state"], {}
+            if 0 in inner:
+                for i, where in self._slices():
+                    shape = self.fp16_params[i].shape
+                    out[i] = {k: v[where].view(shape).clone() if self._is_flat(v) else
+                              (v.clone() if torch.is_tensor(v) else v) for k, v in inner[0].items()}
+            for j, i in enumerate(self.experts):
+                if j + 1 in inner:
+                    out[i] = inner[j + 1]
+            group, = state_dict["param_groups"]  # (fairseq's flat copy is one group)
+            return {**state_dict, "state": out, "param_groups": [{**group, "params": list(range(len(self.fp16_params)))}]}
+
+        def load_state_dict(self, state_dict, optimizer_overrides=None):
+            state = state_dict["state"]
+            have = [i for i in self.dense if i in state]
+            inner = {}
+            if have:
+                if len(have) != len(self.dense):
+                    raise CheckpointError(f"the optimizer state holds {len(have)} of the {len(self.dense)} dense "
+                                          f"parameters' entries: a flat fp32 copy (--fp16) needs all or none; "
+                                          f"resume with --reset-optimizer, or --fp16-no-flatten-grads")
+                first = state[self.dense[0]]
+                inner[0] = {k: torch.cat([state[i][k].reshape(-1).float() for i in self.dense])
+                            if torch.is_tensor(v) and v.dim() > 0 else v for k, v in first.items()}
+            for j, i in enumerate(self.experts):
+                if i in state:
+                    inner[j + 1] = state[i]
+            group = state_dict["param_groups"][0]
+            super().load_state_dict({**state_dict, "state": inner,
+                                     "param_groups": [{**group, "params": list(range(1 + len(self.experts)))}]},
+                                    optimizer_overrides)
+
+    # fairseq's resume compares the optimizer's class name with the saved one: this state dict is FP16Optimizer's
+    # (numbered by parameter, as without the flat copy), so it goes by that name and each resumes from the other.
+    ExpertFlatFP16Optimizer.__name__ = ExpertFlatFP16Optimizer.__qualname__ = FP16Optimizer.__name__
+    _CLASSES["flat_fp16"] = ExpertFlatFP16Optimizer
+    return ExpertFlatFP16Optimizer

@@ -153,13 +153,6 @@ REFUSALS = (
             "layers skipped, beam searches in lockstep); with another task the ranks would wait for each other",
             "each MoE layer is an all-to-all of every rank",
             {"spread": True, "moe_task": False, "task": argparse.Namespace(eval_bleu=True)}),
-    Refusal("fp16/bf16 with a flat optimizer state and spread experts", ("--fp16", "--bf16"), "trainer",
-            lambda c: c.spread and bool(c.flag("fp16", False) or c.flag("bf16", False)) and not (
-                c.flag("memory_efficient_fp16", False) or c.flag("fp16_no_flatten_grads", False)),
-            "--fp16/--bf16 with experts spread over ranks needs --fp16-no-flatten-grads (or "
-            "--memory-efficient-fp16): a flattened optimizer state cannot be saved per expert",
-            "a set saves each expert's optimizer state in its rank's file",
-            {"spread": True, "flags": {"fp16": True}}),
     Refusal("asynchronous checkpoint writes with spread experts", ("--write-checkpoints-asynchronously",),
             "trainer", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
             "--write-checkpoints-asynchronously is not supported with experts spread over ranks: a set's files "

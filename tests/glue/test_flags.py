@@ -133,8 +133,8 @@ def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
     check_supported(Namespace(fp16=True), spread=False)
     check_supported(Namespace(store_ema=True), spread=True)  # (each rank keeps the EMA of its own experts)
     check_supported(Namespace(ddp_backend="fully_sharded"), spread=True)  # (torch's FSDP: tests/glue/test_fsdp.py)
-    for args, flag in ((Namespace(fp16=True), "--fp16-no-flatten-grads"),
-                       (Namespace(ddp_backend="fully_sharded", store_ema=True), "--store-ema"),
+    check_supported(Namespace(fp16=True), spread=True)  # (the flat fp32 copy with experts: tests/glue/test_optim.py)
+    for args, flag in ((Namespace(ddp_backend="fully_sharded", store_ema=True), "--store-ema"),
                        (Namespace(write_checkpoints_asynchronously=True), "--write-checkpoints-asynchronously")):
         with pytest.raises(ValueError, match=flag):
             check_supported(args, spread=True)

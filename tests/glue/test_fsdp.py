@@ -14,7 +14,7 @@ from fairseq_moe import reshard
 
 from .helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 from .test_expert_parallel import COMMON, Launched, finish, launch
-from .test_optim import CLIP, assert_same_optimizer_state, full
+from .test_optim import CLIP, assert_same_optimizer_state, full, resumes_and_reshards
 from .test_spread_generate import EVAL_BLEU, valid_bleus
 
 FSDP = ("--ddp-backend", "fully_sharded", "--min-params-to-wrap", "0", *CLIP)
@@ -52,32 +52,12 @@ def test_fully_sharded_with_spread_experts(data_bin, tmp_path, caplog):
         assert_same_optimizer_state(b, a)
     assert valid_bleus(out.stdout + out.stderr) == valid_bleus(one_log)
 
-    # 3 + 3 updates == 6: on one process without the flag, and on 2 ranks with it
-    base = str(tmp_path / "two" / "checkpoint_last")
-    (tmp_path / "one_from_two").mkdir()
-    run_train(train_argv(data_bin, tmp_path / "one_from_two", *COMMON, *CLIP, "--max-update", "6",
-                         "--update-freq", "2", "--restore-file", base + ".pt"))
-    finish(launch(2, tmp_path / "two", *argv(tmp_path / "two", updates=6)))
-    run_train(train_argv(data_bin, tmp_path / "one2", *COMMON, *CLIP, "--max-update", "6", "--update-freq", "2"))
-    six = torch.load(tmp_path / "one2" / "checkpoint_last.pt", weights_only=True)
-    for resumed in (full(tmp_path / "two" / "checkpoint_last"),
-                    torch.load(tmp_path / "one_from_two" / "checkpoint_last.pt", weights_only=True)):
-        assert [h["num_updates"] for h in resumed["optimizer_history"]][-2:] == [3, 6]
-        assert_same_params(resumed["model"], six["model"])
-        assert_same_optimizer_state(resumed, six)
-
-    # A 4-rank set at update 3, resharded to 2 ranks, continues as the 4 ranks do.
-    assert reshard.main([str(tmp_path / "four" / "checkpoint_last.pt"), str(tmp_path / "as2" / "checkpoint_last.pt"),
-                         "--world-size", "2"]) == 0
-    on_four = Launched(4, tmp_path / "four", argv(tmp_path / "four", updates=6))
-    finish(launch(2, tmp_path / "as2", *argv(tmp_path / "as2", "--update-freq", "2", updates=6)))
-    on_four.result()
-    a, b = full(tmp_path / "four" / "checkpoint_last"), full(tmp_path / "as2" / "checkpoint_last")
-    assert_same_params(b["model"], a["model"])
-    assert_same_optimizer_state(b, a)
+    # 3 + 3 updates == 6, on one process without the flag and on 2 ranks; 4 ranks resharded to 2 continue alike
+    resumes_and_reshards(data_bin, tmp_path, argv)
 
     # Consolidated, it generates what the 1-process run's checkpoint of the same updates generates.
-    assert reshard.main([base + ".pt", str(tmp_path / "whole.pt"), "--world-size", "1"]) == 0
+    assert reshard.main([str(tmp_path / "two" / "checkpoint_last.pt"), str(tmp_path / "whole.pt"),
+                         "--world-size", "1"]) == 0
     scores = [run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(path), "--task", "moe_translation",
                             "--gen-subset", "test", "--beam", "2", "--batch-size", "8", "--cpu", "--quiet"])
               .result_string() for path in (tmp_path / "whole.pt", tmp_path / "one2" / "checkpoint_last.pt")]

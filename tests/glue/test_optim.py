@@ -71,7 +71,15 @@ def test_zero_sharding_with_spread_experts(data_bin, tmp_path):
     # A set whose shares disagree: one line naming the file, before any work, nothing on disk changed
     bad_input(data_bin, tmp_path, base)
 
-    # 3 + 3 updates == 6: on one process without the flag (every rank's share read back), and on 2 ranks with it
+    resumes_and_reshards(data_bin, tmp_path, argv)
+
+
+def resumes_and_reshards(data_bin, tmp_path, argv):
+    """After 3 updates of the sharded runs in tmp_path/two and tmp_path/four (argv(save, *extra, updates=N): their
+    command) and of the 1-process reference tmp_path/one2 (--update-freq 2): 3 + 3 updates == 6 on one process
+    without the flag (every rank's state read back) and on 2 ranks with it; and the 4-rank set resharded to 2 ranks
+    continues as the 4 ranks do."""
+    base = str(tmp_path / "two" / "checkpoint_last")
     (tmp_path / "one_from_two").mkdir()
     run_train(train_argv(data_bin, tmp_path / "one_from_two", *COMMON, *CLIP, "--max-update", "6",
                          "--update-freq", "2", "--restore-file", base + ".pt"))
@@ -299,3 +307,42 @@ def test_zero_state_dict_is_numbered_like_the_unsharded_one_across_groups():
     for i in b["state"]:
         torch.testing.assert_close(again.state_dict()["state"][i]["exp_avg"], b["state"][i]["exp_avg"])
     torch.optim.Adam(groups(params()), lr=0.1).load_state_dict(a)  # (the other way: torch reads ours)
+
+
+def assert_bit_identical(a, b):
+    """Two full checkpoints: the same parameters and optimizer state, bit for bit, the state fp32."""
+    assert all(torch.equal(b["model"][k], a["model"][k]) for k in a["model"])
+    sa, sb = a["last_optimizer_state"]["state"], b["last_optimizer_state"]["state"]
+    assert sorted(sa) == sorted(sb) and len(sa) > 10
+    for index, entry in sa.items():
+        for key, value in entry.items():
+            same = torch.equal(sb[index][key], value) if torch.is_tensor(value) else sb[index][key] == value
+            assert same and (not torch.is_tensor(value) or value.dtype == sb[index][key].dtype), (index, key)
+    assert {v.dtype for e in sb.values() for v in e.values() if torch.is_tensor(v) and v.dim()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_flat_fp16_with_spread_experts_is_the_run_without_the_flat_copy(data_bin, tmp_path):
+    """--fp16 with its flat fp32 copy (ExpertFlatFP16Optimizer: the dense parameters flat, each expert tensor its own
+    copy) on 1, 2 and 4 ranks, clipping on: parameters and Adam state after 3 updates are bit for bit those of
+    --fp16-no-flatten-grads (state numbered by parameter alike); a flat set resumes without the flat copy and a
+    non-flat one with it, and the two continue bit for bit alike (3 + 3 updates)."""
+    def argv(name, *extra, updates=3):
+        return train_argv(data_bin, tmp_path / name, *EXACT, "--fp16", "--max-update", str(updates), *extra)
+
+    adam = ("--optimizer", "adam", "--lr", "0.003")
+    for W in (1, 2, 4):
+        for name, extra in ((f"flat{W}", ()), (f"plain{W}", ("--fp16-no-flatten-grads",))):
+            if W == 1:
+                run_train(argv(name, *adam, *extra))
+            else:
+                finish(launch(W, tmp_path / name, *argv(name, *adam, *extra)))
+        read = (lambda name: torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True)) if W == 1 else (
+            lambda name: full(tmp_path / name / "checkpoint_last"))
+        assert_bit_identical(read(f"plain{W}"), read(f"flat{W}"))
+    # across: the flat set on without the flat copy, the non-flat one with it
+    finish(launch(2, tmp_path / "flat2", *argv("flat2", *adam, "--fp16-no-flatten-grads", updates=6)))
+    finish(launch(2, tmp_path / "plain2", *argv("plain2", *adam, updates=6)))
+    a, b = full(tmp_path / "flat2" / "checkpoint_last"), full(tmp_path / "plain2" / "checkpoint_last")
+    assert [h["num_updates"] for h in b["optimizer_history"]][-2:] == [3, 6]
+    assert_bit_identical(a, b)
