@@ -42,7 +42,10 @@ def _numpy_globals():
 
     core = getattr(np, "_core", None) or np.core
     dtypes = [getattr(np.dtypes, name) for name in getattr(np.dtypes, "__all__", ())] if hasattr(np, "dtypes") else []
-    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+    # (a pickle names them by NumPy's module of its day: numpy.core in 1.x, numpy._core from 2.0)
+    names = [(fn, f"{module}.multiarray.{fn.__name__}") for fn in (core.multiarray._reconstruct, core.multiarray.scalar)
+             for module in ("numpy.core", "numpy._core")]
+    return [*names, np.ndarray, np.dtype, *dtypes]
 logger = logging.getLogger(__name__)
 
 

@@ -2,10 +2,12 @@
 
 fairseq 0.12's fully_sharded backend is fairscale's FSDP, which gathers parameters on CUDA streams (it does not run
 on a CPU, nor, with gloo, anywhere here) and would shard the experts a second time, across ranks that hold different
-ones. With the plugin loaded the flag runs torch's FSDP instead (fairseq's Trainer sees a data-parallel run that is
-not fairscale's: `trainer_is_fsdp`):
+ones. With the plugin loaded the flag runs torch's FSDP instead, for models with MoE layers (refusals.py keeps the
+others out; fairseq's Trainer sees a data-parallel run that is not fairscale's: `trainer_is_fsdp`):
 - each layer of `encoder.layers` / `decoder.layers` with at least --min-params-to-wrap dense parameters is its own
-  unit (its parameters gathered for its forward and backward only), the rest of the model one unit around them;
+  unit (its parameters gathered for its forward and backward only; --no-reshard-after-forward keeps them from the
+  forward to the backward), the rest of the model one unit around them, kept gathered from its forward to its
+  backward; a beam search (--eval-bleu) runs with every unit gathered (`gathered`);
 - every dense parameter (embeddings, attention, norms, routers, shared experts) is a DTensor holding 1/W of its rows,
   its gradient is reduce-scattered (averaged, as data parallelism's all-reduce does) and its optimizer state is
   created from the shard, so parameters, gradients and optimizer state take about 1/W each;
@@ -13,8 +15,8 @@ not fairscale's: `trainer_is_fsdp`):
   gradients made by the all-to-all and comm.expert_grad_hook as without FSDP.
 
 The checkpoint is the set a run without FSDP writes: the model's and the optimizer's state dicts gather each dense
-tensor whole (one at a time; every rank saves, so every rank takes part) and a load cuts each back to this rank's
-rows. So a set of an FSDP run resumes with or without the flag on any world size, and reshard, consolidate and
+tensor whole onto the CPU (one at a time; every rank saves its experts, so every rank takes part; every rank then
+holds the whole dense state in CPU memory for the save) and a load cuts each back to this rank's rows. So a set of an FSDP run resumes with or without the flag on any world size, and reshard, consolidate and
 generate read it as any other. (fairseq's own FSDP also saves whole state unless --use-sharded-state.)
 Clipping (`clip_grad_norm`) sums the squares of each rank's rows over the ranks: the norm of the whole gradients.
 """
@@ -51,7 +53,8 @@ def shard(model, group, device, cfg):
     model.to(device)
     mesh = DeviceMesh.from_group(group, device.type)
     experts = {p for p in model.parameters() if hasattr(p, "expert")}
-    kwargs = dict(mesh=mesh, reshard_after_forward=not cfg.no_reshard_after_forward, ignored_params=experts)
+    reshard = not cfg.no_reshard_after_forward
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard, ignored_params=experts)
     if cfg.fp32_reduce_scatter:
         kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     model_cfg = getattr(model, "cfg", None) or getattr(model, "args", None)
@@ -63,11 +66,15 @@ def shard(model, group, device, cfg):
                 if sum(p.numel() for p in layer.parameters() if p not in experts) >= min_params:
                     fully_shard(layer, **kwargs)
                     units += 1
-    fully_shard(model, **kwargs)
+    # The outer unit stays gathered from its forward to its backward (torch's advice for the root, whose parameters
+    # the backward gathers at once): the criterion reads its output projection after the forward (adaptive softmax).
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     dense = [p for p in model.parameters() if is_dtensor(p)]
     logger.info(f"fully_sharded (torch's FSDP): {len(dense)} dense tensors ({sum(p.numel() for p in dense)} "
-                f"parameters) in {units} units cut over {mesh.size()} ranks; {len(experts)} expert tensors left whole")
-    model._moe_fsdp_mesh = mesh
+                f"parameters) in {units} units cut over {mesh.size()} ranks; {len(experts)} expert tensors left whole; "
+                f"layers resharded after forward: {reshard}; gradients reduced in "
+                f"{'float32' if cfg.fp32_reduce_scatter else 'their dtype'}")
+    model._moe_fsdp_mesh, model._moe_fsdp_reshard = mesh, reshard
     model._register_state_dict_hook(_gather_model_state)
     model.register_load_state_dict_pre_hook(_cut_model_state)
     return model
@@ -80,6 +87,12 @@ def distributed_model(original):
     def wrap(args, model, process_group, device):
         if args.ddp_backend != "fully_sharded":
             return original(args, model, process_group, device)
+        if not any(hasattr(p, "expert") for p in model.parameters()):  # a criterion with parameters: replicated
+            args.ddp_backend = "legacy_ddp"  # (for this call: refusals.py keeps dense models out of fully_sharded)
+            try:
+                return original(args, model, process_group, device)
+            finally:
+                args.ddp_backend = "fully_sharded"
         return model if is_sharded(model) else shard(model, process_group, device, args)
 
     return wrap
@@ -98,11 +111,16 @@ def trainer_always_call_state_dict(self):
     return is_sharded(self.get_model())
 
 
+def _whole(value):
+    """A DTensor gathered whole, onto the CPU (a save moves everything there: the device never holds the whole
+    state at once); anything else unchanged."""
+    return value.full_tensor().cpu() if is_dtensor(value) else value
+
+
 def _gather_model_state(module, state_dict, prefix, local_metadata):
     if not _SHAPES_ONLY:
         for key, value in state_dict.items():
-            if is_dtensor(value):
-                state_dict[key] = value.full_tensor()
+            state_dict[key] = _whole(value)
 
 
 def _cut(value, like):
@@ -110,8 +128,8 @@ def _cut(value, like):
     from torch.distributed.tensor import distribute_tensor
 
     if torch.is_tensor(value) and not is_dtensor(value) and is_dtensor(like) and tuple(value.shape) == tuple(like.shape):
-        return distribute_tensor(value.to(like.dtype if value.is_floating_point() else value.dtype),
-                                 like.device_mesh, like.placements, src_data_rank=None)
+        # (its own dtype: an fp32 optimizer state of an fp16 parameter stays fp32; a parameter copies what it loads)
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
     return value
 
 
@@ -132,18 +150,27 @@ def shapes_only():
 
 
 @contextlib.contextmanager
-def whole_outer_unit(model):
-    """The outer unit of a sharded model (embeddings, final norms, output projection) gathered for the block: a
-    beam search (--eval-bleu) calls model.encoder and model.decoder directly, which do not run the outer unit's
-    hooks (the layers' units gather themselves, each called as a module). Nothing for a model not sharded."""
+def gathered(model):
+    """Every unit of a sharded model gathered for the block, none resharded inside it: a beam search (--eval-bleu)
+    calls model.encoder and model.decoder directly (not the outer unit's hooks), takes a different number of steps
+    on each rank (a layer's gathering would wait for ranks that are done), and the lockstep of the MoE layers calls
+    them alone. Every rank gathers in the same order before it starts; afterwards each unit is cut again. Nothing
+    for a model not sharded."""
     if not is_sharded(model):
         yield
         return
-    model.unshard()
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    model.set_reshard_after_forward(False, recurse=True)
     try:
         yield
     finally:
-        model.reshard()
+        for unit in units:
+            unit.set_reshard_after_forward(model._moe_fsdp_reshard if unit is not model else False, recurse=False)
+            unit.reshard()
 
 
 def shard_optimizer_state(optimizer):
@@ -153,21 +180,35 @@ def shard_optimizer_state(optimizer):
     def gather(opt, state_dict):  # (each entry of "state" is the optimizer's own dict: replaced, not changed)
         if _SHAPES_ONLY:
             return state_dict
-        state = {index: {key: value.full_tensor() if is_dtensor(value) else value for key, value in entry.items()}
+        state = {index: {key: _whole(value) for key, value in entry.items()}
                  for index, entry in state_dict["state"].items()}
         return {**state_dict, "state": state}
+
+    loaded = {}
 
     def cut(opt, state_dict):
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         current = [p for g in opt.param_groups for p in g["params"]]
         state = dict(state_dict["state"])
         for index, p in zip(saved, current):
-            if index in state and is_dtensor(p):
-                state[index] = {key: _cut(value, p) if key != "step" else value for key, value in state[index].items()}
+            if index in state:
+                if is_dtensor(p):
+                    state[index] = {key: _cut(value, p) if key != "step" else value
+                                    for key, value in state[index].items()}
+                loaded[p] = state[index]
         return {**state_dict, "state": state}
+
+    def keep_dtype(opt):
+        # torch casts the loaded state to each parameter's dtype: with --memory-efficient-fp16 fp16 parameters keep
+        # an fp32 state, as fairseq's own hack would keep it (switched off below: it would put back whole tensors)
+        for p, entry in loaded.items():  # (copied: never backed by a memory-mapped checkpoint file)
+            opt.state[p] = {k: v.clone() if torch.is_tensor(v) and not is_dtensor(v) else v for k, v in entry.items()}
+        loaded.clear()
 
     optimizer.register_state_dict_post_hook(gather)
     optimizer.register_load_state_dict_pre_hook(cut)
+    optimizer.register_load_state_dict_post_hook(keep_dtype)
+    optimizer.disable_mem_eff_fp16_loading_hack = True
 
 
 def torch_optimizer(optimizer):
@@ -188,7 +229,11 @@ def trainer_build_optimizer(original):
                 raise FlagError(f"--optimizer {self.cfg.optimizer._name} cannot be used with --ddp-backend "
                                 f"fully_sharded: only pointwise optimizers (adam, sgd, adadelta, adamax, ...), whose "
                                 f"step on a parameter's rows needs no other rows")
-            shard_optimizer_state(torch_optimizer(self._optimizer))
+            inner = torch_optimizer(self._optimizer)
+            if "Fused" in type(inner).__name__:  # apex's multi-tensor kernels take plain tensors only
+                raise FlagError(f"--ddp-backend fully_sharded cannot step with {type(inner).__name__} (apex): add "
+                                f"--use-old-adam")
+            shard_optimizer_state(inner)
 
     return build
 

@@ -103,6 +103,11 @@ _FSDP_REFUSED = (
     ("--fp16", lambda c: bool(c.flag("fp16", False)) and not c.flag("memory_efficient_fp16", False),
      "a flat fp32 copy of sharded parameters is not built; add --memory-efficient-fp16", {"fp16": True}),
     ("--bf16", lambda c: bool(c.flag("bf16", False)), "fairseq 0.12's --bf16 runs on XLA", {"bf16": True}),
+    ("--amp", lambda c: bool(c.flag("amp", False)),
+     "torch's GradScaler unscales a device's gradients in one call, which cannot mix the sharded ones with the "
+     "experts'", {"amp": True}),
+    ("--use-bmuf", lambda c: bool(c.flag("use_bmuf", False)), "BMUF syncs whole models; nothing would be sharded",
+     {"use_bmuf": True}),
 )
 
 REFUSALS = (
@@ -164,6 +169,14 @@ REFUSALS = (
               f"{flag} cannot be used with --ddp-backend fully_sharded (torch's FSDP here, fsdp.py): {why}", why,
               {"flags": {"ddp_backend": "fully_sharded", **example}})
       for flag, on, why, example in _FSDP_REFUSED),
+    Refusal("fully sharded data parallel for a model without experts", ("--ddp-backend",), "trainer",
+            lambda c: c.flag("ddp_backend") == "fully_sharded" and c.model is not None and not c.layers(),
+            "--ddp-backend fully_sharded with fairseq-moe loaded is torch's FSDP for models with MoE layers "
+            "(fsdp.py); this model has none: train it with --ddp-backend legacy_ddp, or without --user-dir "
+            "fairseq_moe (fairseq's fairscale FSDP)",
+            "with the experts spread every rank saves, so every rank takes part in a save's gathering; fairseq saves "
+            "a dense model on rank 0 alone, which may skip a save that the others would wait in",
+            {"flags": {"ddp_backend": "fully_sharded"}, "model": argparse.Namespace()}),
     Refusal("Adafactor's --scale-parameter with ZeRO", ("--optimizer", "--scale-parameter", "--zero-sharding"),
             "trainer",
             lambda c: c.flag("optimizer") == "adafactor" and bool(c.flag("scale_parameter", False)) and

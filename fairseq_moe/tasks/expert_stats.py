@@ -178,7 +178,7 @@ class MoETaskMixin:
             return super().valid_step(sample, model, criterion)
 
     def _inference_with_bleu(self, generator, sample, model):  # (translation tasks' --eval-bleu)
-        with fsdp.whole_outer_unit(model):
+        with fsdp.gathered(model):
             return super()._inference_with_bleu(generator, sample, model)
 
     def optimizer_step(self, optimizer, model, update_num):

@@ -1,6 +1,7 @@
 """--ddp-backend fully_sharded with the experts spread (fsdp.py, torch's FSDP): W ranks, each holding about 1/W of
 every dense parameter, its gradient and its optimizer state, and its own experts whole, train as one process does
-with --update-freq W on the same global batches (clipping on, --eval-bleu's BLEU too); the set they save is a plain
+with --update-freq W on the same global batches (clipping on; --eval-bleu: tests/glue/test_spread_generate.py); the
+set they save is a plain
 set: it resumes (3 + 3 updates == 6, on the ranks and on one process without the flag), reshards 4 -> 2 ranks and
 continues as the 4 ranks do, consolidates and generates. --memory-efficient-fp16 agrees with legacy_ddp's to fp16's
 precision; a non-pointwise optimizer is one line."""
@@ -15,42 +16,42 @@ from fairseq_moe import reshard
 from .helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 from .test_expert_parallel import COMMON, Launched, finish, launch
 from .test_optim import CLIP, assert_same_optimizer_state, full, resumes_and_reshards
-from .test_spread_generate import EVAL_BLEU, valid_bleus
 
 FSDP = ("--ddp-backend", "fully_sharded", "--min-params-to-wrap", "0", *CLIP)
 
 
 def sharded_line(log, W):
-    """fsdp.shard's line: how many dense tensors were cut over how many ranks, and the experts left whole."""
+    """fsdp.shard's line: how many dense tensors were cut over how many ranks, the experts left whole, and the
+    settings: (tensors, parameters, units, experts, resharded after forward, dtype of the reduction)."""
     found = re.findall(r"fully_sharded \(torch's FSDP\): (\d+) dense tensors \((\d+) parameters\) in (\d+) units cut "
-                       rf"over {W} ranks; (\d+) expert tensors left whole", log)
+                       rf"over {W} ranks; (\d+) expert tensors left whole; layers resharded after forward: (\w+); "
+                       r"gradients reduced in (float32|their dtype)", log)
     assert found, tail(log)
-    return [int(x) for x in found[0]]
+    *counts, reshard, dtype = found[0]
+    return [int(x) for x in counts] + [reshard, dtype]
 
 
 @pytest.mark.slow
-def test_fully_sharded_with_spread_experts(data_bin, tmp_path, caplog):
+def test_fully_sharded_with_spread_experts(data_bin, tmp_path):
     def argv(save, *extra, updates=3):
         return train_argv(data_bin, save, *COMMON, *FSDP, "--max-update", str(updates), *extra)
 
-    # 2 (with --eval-bleu) and 4 ranks run while the 1-process references train here
-    two = Launched(2, tmp_path / "two", argv(tmp_path / "two", *EVAL_BLEU))
-    with caplog.at_level("INFO"):
-        run_train(train_argv(data_bin, tmp_path / "one2", *COMMON, *CLIP, "--max-update", "3", "--update-freq", "2",
-                             *EVAL_BLEU))
-    one_log = "\n".join(caplog.messages)
+    # 2 and 4 ranks (the layers kept gathered from forward to backward) run while the 1-process references train here
+    two = Launched(2, tmp_path / "two", argv(tmp_path / "two"))
+    run_train(train_argv(data_bin, tmp_path / "one2", *COMMON, *CLIP, "--max-update", "3", "--update-freq", "2"))
     _, out = two.result()
-    four = Launched(4, tmp_path / "four", argv(tmp_path / "four"))
+    four = Launched(4, tmp_path / "four", argv(tmp_path / "four", "--no-reshard-after-forward"))
     run_train(train_argv(data_bin, tmp_path / "one4", *COMMON, *CLIP, "--max-update", "3", "--update-freq", "4"))
     _, out4 = four.result()
-    for W, one, log in ((2, "one2", out.stdout + out.stderr), (4, "one4", out4.stdout + out4.stderr)):
-        tensors, _, units, experts = sharded_line(log, W)
+    for W, one, log, kept in ((2, "one2", out.stdout + out.stderr, "True"),
+                              (4, "one4", out4.stdout + out4.stderr, "False")):
+        tensors, _, units, experts, resharded, _ = sharded_line(log, W)
         assert tensors > 50 and units == 5 and experts == 8  # 4 layers of their own, 2 MoE layers x 4 tensors
+        assert resharded == kept
         a = torch.load(tmp_path / one / "checkpoint_last.pt", weights_only=True)
         b = full(tmp_path / ("two" if W == 2 else "four") / "checkpoint_last")
         assert_same_params(b["model"], a["model"])
         assert_same_optimizer_state(b, a)
-    assert valid_bleus(out.stdout + out.stderr) == valid_bleus(one_log)
 
     # 3 + 3 updates == 6, on one process without the flag and on 2 ranks; 4 ranks resharded to 2 continue alike
     resumes_and_reshards(data_bin, tmp_path, argv)
@@ -66,20 +67,26 @@ def test_fully_sharded_with_spread_experts(data_bin, tmp_path, caplog):
 
 @pytest.mark.slow
 def test_fully_sharded_fp16_and_refused_optimizers(data_bin, tmp_path):
-    """--memory-efficient-fp16 on 2 ranks: the parameters after 3 updates are legacy_ddp's to fp16's precision
-    (FSDP reduce-scatters where legacy_ddp all-reduces: the sums round differently); the attention's key biases,
-    whose gradient is 0 up to rounding, left out. --optimizer adafactor: one line before any update."""
+    """--memory-efficient-fp16 (--fp32-reduce-scatter) on 2 ranks: the parameters after 3 updates, and after a resume
+    to 5, are legacy_ddp's to fp16's precision (FSDP reduce-scatters where legacy_ddp all-reduces: the sums round
+    differently), the Adam state fp32 through the resume; the attention's key biases, whose gradient is 0 up to
+    rounding, left out. --optimizer adafactor: one line before any update."""
     adam = [x for x in COMMON if x not in ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9")]
-    fp16 = ("--optimizer", "adam", "--lr", "0.003", "--fp16", "--memory-efficient-fp16", "--max-update", "3")
-    runs = {name: launch(2, tmp_path / name, *train_argv(data_bin, tmp_path / name, *adam, *fp16, *extra))
-            for name, extra in (("legacy", CLIP), ("fsdp", FSDP))}
-    for proc in runs.values():
-        finish(proc)
-    a, b = (full(tmp_path / name / "checkpoint_last") for name in ("legacy", "fsdp"))
-    assert a["last_optimizer_state"]["loss_scale"] == b["last_optimizer_state"]["loss_scale"] > 0  # (fp16 ran)
-    errors = {k: ((b["model"][k].float() - v.float()).norm() / v.float().norm()).item()
-              for k, v in a["model"].items() if not k.endswith("k_proj.bias")}
-    assert max(errors.values()) < 3e-3, sorted(errors.items(), key=lambda kv: kv[1])[-3:]
+    fp16 = ("--optimizer", "adam", "--lr", "0.003", "--fp16", "--memory-efficient-fp16")
+    for updates in (3, 5):
+        runs = {name: launch(2, tmp_path / name, *train_argv(data_bin, tmp_path / name, *adam, *fp16, *extra,
+                                                             "--max-update", str(updates)))
+                for name, extra in (("legacy", CLIP), ("fsdp", (*FSDP, "--fp32-reduce-scatter")))}
+        out = {name: finish(proc) for name, proc in runs.items()}
+        assert sharded_line(out["fsdp"].stdout + out["fsdp"].stderr, 2)[5] == "float32"
+        a, b = (full(tmp_path / name / "checkpoint_last") for name in ("legacy", "fsdp"))
+        assert [h["num_updates"] for h in b["optimizer_history"]][-1] == updates
+        assert a["last_optimizer_state"]["loss_scale"] == b["last_optimizer_state"]["loss_scale"] > 0  # (fp16 ran)
+        assert {v.dtype for e in b["last_optimizer_state"]["state"].values() for v in e.values()
+                if torch.is_tensor(v) and v.dim()} == {torch.float32}
+        errors = {k: ((b["model"][k].float() - v.float()).norm() / v.float().norm()).item()
+                  for k, v in a["model"].items() if not k.endswith("k_proj.bias")}
+        assert max(errors.values()) < 3e-3, sorted(errors.items(), key=lambda kv: kv[1])[-3:]
 
     bad = launch(2, tmp_path / "ada", *train_argv(data_bin, tmp_path / "ada", *adam, "--optimizer", "adafactor",
                                                   "--lr", "0.01", *FSDP))

@@ -190,8 +190,8 @@ def assert_same_but_noise(b, a):
 
 @pytest.mark.slow
 def test_adafactor_with_spread_experts(data_bin, tmp_path):
-    """2 ranks (with --zero-sharding os) == 1 process; the 2-rank set resumes on one process, and the 1-process
-    checkpoint on 2 ranks (each expert's statistics cut out), 3 + 2 updates == 5."""
+    """2 ranks (with --zero-sharding os) and 4 ranks (one expert each) == 1 process; the 2-rank set resumes on one
+    process, and the 1-process checkpoint on 2 ranks (each expert's statistics cut out), 3 + 2 updates == 5."""
     def argv(save, updates, *extra):
         return train_argv(data_bin, save, *ADAFACTOR, "--max-update", str(updates), *extra)
 
@@ -203,6 +203,11 @@ def test_adafactor_with_spread_experts(data_bin, tmp_path):
     w1 = b["extra_state"]["moe_checkpoint"]["optimizer_index"]["encoder.layers.1.fc1.moe.experts.w1"]
     assert b["last_optimizer_state"]["state"][w1]["exp_avg_sq_row"].shape[0] == 4  # (per expert, all 4)
     assert_same_but_noise(b, a)
+    four = Launched(4, tmp_path / "four", argv(tmp_path / "four", 3))
+    run_train(argv(tmp_path / "one4", 3, "--update-freq", "4"))
+    four.result()
+    assert_same_but_noise(full(tmp_path / "four" / "checkpoint_last"),
+                          torch.load(tmp_path / "one4" / "checkpoint_last.pt", weights_only=True))
     (tmp_path / "one_from_two").mkdir()
     run_train(argv(tmp_path / "one_from_two", 5, "--update-freq", "2", "--restore-file",
                    str(tmp_path / "two" / "checkpoint_last.pt")))

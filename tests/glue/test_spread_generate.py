@@ -106,16 +106,22 @@ def valid_bleus(log):
 @pytest.mark.slow
 def test_eval_bleu_on_two_ranks_is_the_bleu_of_one_process(data_bin, tmp_path):
     """--eval-bleu with the experts spread (the task's valid_step keeps the layers in lockstep): every
-    validation BLEU of the 2-rank run is the 1-process run's with the same global batch (--update-freq 2)."""
+    validation BLEU of the 2-rank run is the 1-process run's with the same global batch (--update-freq 2), and so
+    with --ddp-backend fully_sharded (each layer its own unit; the beam search runs with every unit gathered, since
+    the ranks' searches take different numbers of steps)."""
     many = launch(2, tmp_path / "many", *train_argv(data_bin, tmp_path / "many", *BLEU_RUN))
+    sharded = launch(2, tmp_path / "fsdp", *train_argv(data_bin, tmp_path / "fsdp", *BLEU_RUN, "--ddp-backend",
+                                                       "fully_sharded", "--min-params-to-wrap", "0"))
     one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
                           *train_argv(data_bin, tmp_path / "one", *BLEU_RUN, "--update-freq", "2")],
                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert one.returncode == 0, tail(one.stderr)
-    out = finish(many)
+    out, fsdp = finish(many), finish(sharded)
     bleus = valid_bleus(one.stdout + one.stderr)
     assert len(bleus) == 12 and max(bleus) > 0.5
     assert valid_bleus(out.stdout + out.stderr) == bleus
+    assert "fully_sharded (torch's FSDP)" in fsdp.stderr + fsdp.stdout
+    assert valid_bleus(fsdp.stdout + fsdp.stderr) == bleus
 
 
 @pytest.mark.slow
