@@ -16,9 +16,11 @@ others out; fairseq's Trainer sees a data-parallel run that is not fairscale's: 
 
 The checkpoint is the set a run without FSDP writes: the model's and the optimizer's state dicts gather each dense
 tensor whole onto the CPU (one at a time; every rank saves its experts, so every rank takes part; every rank then
-holds the whole dense state in CPU memory for the save) and a load cuts each back to this rank's rows. So a set of an FSDP run resumes with or without the flag on any world size, and reshard, consolidate and
-generate read it as any other. (fairseq's own FSDP also saves whole state unless --use-sharded-state.)
-Clipping (`clip_grad_norm`) sums the squares of each rank's rows over the ranks: the norm of the whole gradients.
+holds the whole dense state in CPU memory for the save) and a load cuts each back to this rank's rows. So a set of
+an FSDP run resumes with or without the flag on any world size, and reshard, consolidate and generate read it as
+any other. (fairseq's own FSDP also saves whole state unless --use-sharded-state.)
+Clipping (`clip_sharded`, called by optim.clip_grad_norm) sums the squares of each rank's rows over the ranks: the
+norm of the whole gradients.
 """
 import contextlib
 import logging
@@ -127,7 +129,8 @@ def _cut(value, like):
     """value (a whole tensor) cut to this rank's rows of `like` (a DTensor); anything else unchanged."""
     from torch.distributed.tensor import distribute_tensor
 
-    if torch.is_tensor(value) and not is_dtensor(value) and is_dtensor(like) and tuple(value.shape) == tuple(like.shape):
+    whole = torch.is_tensor(value) and not is_dtensor(value)
+    if whole and is_dtensor(like) and tuple(value.shape) == tuple(like.shape):
         # (its own dtype: an fp32 optimizer state of an fp16 parameter stays fp32; a parameter copies what it loads)
         return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
     return value
@@ -238,36 +241,29 @@ def trainer_build_optimizer(original):
     return build
 
 
-def clip_grad_norm(original):
-    """fairseq.utils.clip_grad_norm_, for gradients of which some are DTensors (a sharded model): the norm of the
-    dense gradients (fairseq leaves the experts' out of it, and clips them by it) from each rank's rows, summed over
-    the ranks; fairseq's own function for any other."""
-
-    def clip(params, max_norm, aggregate_norm_fn=None):
-        params = [params] if torch.is_tensor(params) else list(params)
-        with_grad = [p for p in params if p is not None and getattr(p, "grad", None) is not None]
-        sharded = [p.grad for p in with_grad if is_dtensor(p.grad)]
-        if not sharded:
-            return original(params, max_norm, aggregate_norm_fn)
-        dense = [p.grad for p in with_grad if not hasattr(p, "expert")]
-        squares = torch.zeros((), dtype=torch.float32, device=sharded[0].to_local().device)
-        for g in dense:
-            if is_dtensor(g):
-                squares += torch.linalg.vector_norm(g.to_local(), dtype=torch.float32) ** 2
-        dist.all_reduce(squares, group=sharded[0].device_mesh.get_group())
-        for g in dense:
-            if not is_dtensor(g):  # a parameter outside the sharded model (the criterion's): the same on every rank
-                squares += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        total_norm = squares.sqrt()
-        if aggregate_norm_fn is not None:
-            total_norm = aggregate_norm_fn(total_norm)
-        if max_norm > 0:
-            clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
-            for p in with_grad:
-                (p.grad.to_local() if is_dtensor(p.grad) else p.grad).mul_(clip_coef)
-        return total_norm
-
-    return clip
+def clip_sharded(params, max_norm, aggregate_norm_fn=None):
+    """fairseq.utils.clip_grad_norm_ for gradients of which some are DTensors (a sharded model): the norm of the dense
+    gradients (fairseq leaves the experts' out of it, and clips them by it) from each rank's rows, summed over the
+    ranks. optim.clip_grad_norm calls it."""
+    with_grad = [p for p in params if p is not None and getattr(p, "grad", None) is not None]
+    sharded = [p.grad for p in with_grad if is_dtensor(p.grad)]
+    dense = [p.grad for p in with_grad if not hasattr(p, "expert")]
+    squares = torch.zeros((), dtype=torch.float32, device=sharded[0].to_local().device)
+    for g in dense:
+        if is_dtensor(g):
+            squares += torch.linalg.vector_norm(g.to_local(), dtype=torch.float32) ** 2
+    dist.all_reduce(squares, group=sharded[0].device_mesh.get_group())
+    for g in dense:
+        if not is_dtensor(g):  # a parameter outside the sharded model (the criterion's): the same on every rank
+            squares += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+    total_norm = squares.sqrt()
+    if aggregate_norm_fn is not None:
+        total_norm = aggregate_norm_fn(total_norm)
+    if max_norm > 0:
+        clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp_(max=1)
+        for p in with_grad:
+            (p.grad.to_local() if is_dtensor(p.grad) else p.grad).mul_(clip_coef)
+    return total_norm
 
 
 def multiply_grads(original):

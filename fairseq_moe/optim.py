@@ -285,6 +285,32 @@ def expert_adafactor_class():
     return ExpertAdafactor
 
 
+def clip_grad_norm(original):
+    """fairseq.utils.clip_grad_norm_ with experts. fairseq leaves the experts' gradients out of the norm (and clips
+    them by the others'), so an overflow or a NaN in an expert's gradient went unseen: the fp16 loss scaler kept the
+    step, and that rank's experts became inf. Here the norm is inf where any expert gradient, on any rank, is not
+    finite (one all-reduce of a flag over the job): every rank skips the step (fp16: the scaler's overflow) or stops
+    (fp32: fairseq's FloatingPointError) together. Gradients of a sharded model (DTensors): fsdp.clip_sharded."""
+    from . import fsdp
+
+    def clip(params, max_norm, aggregate_norm_fn=None):
+        params = [params] if torch.is_tensor(params) else list(params)
+        grads = [p.grad for p in params if p is not None and getattr(p, "grad", None) is not None]
+        if any(fsdp.is_dtensor(g) for g in grads):
+            norm = fsdp.clip_sharded(params, max_norm, aggregate_norm_fn)
+        else:
+            norm = original(params, max_norm, aggregate_norm_fn)
+        experts = [p.grad for p in params if p is not None and getattr(p, "grad", None) is not None and is_expert(p)]
+        if not experts:
+            return norm
+        bad = torch.stack([torch.isfinite(g).all() for g in experts]).all().logical_not().to(torch.float32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return torch.where(bad.to(norm.device) > 0, torch.full_like(norm, float("inf")), norm)
+
+    return clip
+
+
 def flat_fp16_with_experts(fairseq_build):
     """FP16Optimizer.build_optimizer (--fp16, a flat fp32 master copy): ExpertFlatFP16Optimizer where an expert's
     parameter is among the parameters, else fairseq's."""
@@ -380,8 +406,9 @@ def flat_fp16_class():
 
             self._sync_fp16_grads_to_fp32()
             slices = [types.SimpleNamespace(grad=self.flat.grad.data[where].view(self.fp16_params[i].shape))
-                      for i, where in self._slices()]
-            grad_norm = self._multiply_factor * utils.clip_grad_norm_(slices, 0, aggregate_norm_fn)
+                      for i, where in self._slices()]  # (+ the experts: left out of the norm, checked for overflow)
+            grad_norm = self._multiply_factor * utils.clip_grad_norm_([*slices, *self.expert_fp32], 0,
+                                                                      aggregate_norm_fn)
             if torch.is_tensor(self._multiply_factor):
                 self._multiply_factor = self._multiply_factor.to(grad_norm.device)
             if self.scaler is not None:
@@ -416,7 +443,8 @@ def flat_fp16_class():
                 if j + 1 in inner:
                     out[i] = inner[j + 1]
             group, = state_dict["param_groups"]  # (fairseq's flat copy is one group)
-            return {**state_dict, "state": out, "param_groups": [{**group, "params": list(range(len(self.fp16_params)))}]}
+            groups = [{**group, "params": list(range(len(self.fp16_params)))}]
+            return {**state_dict, "state": out, "param_groups": groups}
 
         def load_state_dict(self, state_dict, optimizer_overrides=None):
             state = state_dict["state"]

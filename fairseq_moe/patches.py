@@ -81,8 +81,9 @@ PATCHES = (
     Patch("fairseq.models", "DistributedFairseqModel", "fairseq_moe.fsdp:distributed_model",
           "--ddp-backend fully_sharded shards the model in place with torch's fully_shard, experts left out",
           wraps=True),
-    Patch("fairseq.utils", "clip_grad_norm_", "fairseq_moe.fsdp:clip_grad_norm",
-          "gradients of a sharded model are DTensors: the norm from each rank's rows, summed over the ranks",
+    Patch("fairseq.utils", "clip_grad_norm_", "fairseq_moe.optim:clip_grad_norm",
+          "fairseq's norm leaves the experts' gradients out: an overflow there went unseen (inf experts under fp16); "
+          "a sharded model's gradients are DTensors (the norm from each rank's rows, summed over the ranks)",
           wraps=True),
     Patch("fairseq.optim.fairseq_optimizer:FairseqOptimizer", "multiply_grads", "fairseq_moe.fsdp:multiply_grads",
           "its foreach cannot mix a sharded model's DTensor gradients with the experts' tensors", wraps=True),

@@ -351,3 +351,42 @@ def test_flat_fp16_with_spread_experts_is_the_run_without_the_flat_copy(data_bin
     a, b = full(tmp_path / "flat2" / "checkpoint_last"), full(tmp_path / "plain2" / "checkpoint_last")
     assert [h["num_updates"] for h in b["optimizer_history"]][-2:] == [3, 6]
     assert_bit_identical(a, b)
+
+
+def _grads(expert_grad):
+    dense, expert = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    expert.expert = True
+    dense.grad, expert.grad = torch.tensor([3.0, 4.0, 0.0]), expert_grad
+    return [dense, expert]
+
+
+def test_an_overflow_in_an_expert_gradient_makes_the_norm_inf():
+    """fairseq's clip_grad_norm_ leaves the experts out of the norm (and clips them by it), so an inf in an expert's
+    gradient went unseen and the fp16 scaler kept the step: with the plugin the norm is inf (fp16 skips the step)."""
+    from fairseq import utils
+
+    from fairseq_moe import patches
+
+    fairseq_clip = patches.original("fairseq.utils", "clip_grad_norm_")
+    assert fairseq_clip(_grads(torch.tensor([float("inf"), 1.0])), 0).item() == 5.0  # (what fairseq returned)
+    assert utils.clip_grad_norm_(_grads(torch.tensor([1.0, 1.0])), 0).item() == 5.0
+    for bad in (float("inf"), float("nan")):
+        assert utils.clip_grad_norm_(_grads(torch.tensor([bad, 1.0])), 0).item() == float("inf")
+
+
+def _overflow_on_one_rank(rank, W):
+    from fairseq import utils
+
+    import fairseq_moe  # noqa: F401  (the plugin's patches, as fairseq-train loads them)
+
+    bad = float("inf") if rank == W - 1 else 1.0  # only the last rank's expert overflows
+    norm = utils.clip_grad_norm_(_grads(torch.tensor([bad, 1.0])), 0.5)
+    assert norm.item() == float("inf"), (rank, norm)
+
+
+def test_an_overflow_in_one_ranks_expert_makes_every_ranks_norm_inf():
+    """Each rank holds other experts: one rank's overflow is every rank's (a flag all-reduced), so they skip the step
+    together and keep one loss scale."""
+    from ..moe.test_comm import spawn
+
+    spawn(_overflow_on_one_rank, 2)
