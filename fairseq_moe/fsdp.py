@@ -204,8 +204,9 @@ def shard_optimizer_state(optimizer):
     def keep_dtype(opt):
         # torch casts the loaded state to each parameter's dtype: with --memory-efficient-fp16 fp16 parameters keep
         # an fp32 state, as fairseq's own hack would keep it (switched off below: it would put back whole tensors)
-        for p, entry in loaded.items():  # (copied: never backed by a memory-mapped checkpoint file)
-            opt.state[p] = {k: v.clone() if torch.is_tensor(v) and not is_dtensor(v) else v for k, v in entry.items()}
+        for p, entry in loaded.items():  # (copied onto the parameter's device: never a memory-mapped checkpoint's)
+            opt.state[p] = {k: v.to(p.device, copy=True) if torch.is_tensor(v) and not is_dtensor(v) and k != "step"
+                            else v for k, v in entry.items()}
         loaded.clear()
 
     optimizer.register_state_dict_post_hook(gather)

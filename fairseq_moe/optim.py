@@ -300,13 +300,15 @@ def clip_grad_norm(original):
             norm = fsdp.clip_sharded(params, max_norm, aggregate_norm_fn)
         else:
             norm = original(params, max_norm, aggregate_norm_fn)
-        experts = [p.grad for p in params if p is not None and getattr(p, "grad", None) is not None and is_expert(p)]
-        if not experts:
+        if not any(p is not None and is_expert(p) for p in params):  # (on every rank alike: the flag's collective)
             return norm
-        bad = torch.stack([torch.isfinite(g).all() for g in experts]).all().logical_not().to(torch.float32)
+        experts = [p.grad for p in params if p is not None and getattr(p, "grad", None) is not None and is_expert(p)]
+        bad = torch.zeros((), dtype=torch.float32, device=norm.device)
+        if experts:
+            bad = torch.stack([torch.isfinite(g).all() for g in experts]).all().logical_not().to(bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return torch.where(bad.to(norm.device) > 0, torch.full_like(norm, float("inf")), norm)
+        return torch.where(bad > 0, torch.full_like(norm, float("inf")), norm)
 
     return clip
 
@@ -319,7 +321,8 @@ def flat_fp16_with_experts(fairseq_build):
     def build_optimizer(cls, cfg, params, **kwargs):
         params = list(params)
         flatten = not getattr(cfg.common, "fp16_no_flatten_grads", False) and not getattr(cfg.common, "bf16", False)
-        if not flatten or not any(is_expert(p) for p in params):
+        composite = getattr(cfg.optimizer, "_name", None) == "composite"  # (its state is one dict per group)
+        if not flatten or composite or not any(is_expert(p) for p in params):
             return fairseq_build(cls, cfg, params, **kwargs)
         return flat_fp16_class().build(cfg, params, **kwargs)
 
@@ -341,7 +344,8 @@ def flat_fp16_class():
         expert tensor has an fp32 copy of its own, marked `.expert` (clipping and the set see experts as the
         non-flat optimizer's). The state dict is numbered by parameter like the non-flat optimizer's, the flat
         state cut into each parameter's slice: a set cuts the experts' state, and a set of a flat run resumes
-        without the flat copy (--fp16-no-flatten-grads, --memory-efficient-fp16) and the other way round."""
+        with --fp16-no-flatten-grads and the other way round (--memory-efficient-fp16 is another optimizer to
+        fairseq's resume: --reset-optimizer)."""
 
         @classmethod
         def build(cls, cfg, params, **kwargs):
@@ -437,7 +441,8 @@ def flat_fp16_class():
             if 0 in inner:
                 for i, where in self._slices():
                     shape = self.fp16_params[i].shape
-                    out[i] = {k: v[where].view(shape).clone() if self._is_flat(v) else
+                    # (views of the live state, as fairseq's own state dict gives: a save copies them to the CPU)
+                    out[i] = {k: v[where].view(shape) if self._is_flat(v) else
                               (v.clone() if torch.is_tensor(v) else v) for k, v in inner[0].items()}
             for j, i in enumerate(self.experts):
                 if j + 1 in inner:
@@ -456,8 +461,10 @@ def flat_fp16_class():
                                           f"parameters' entries: a flat fp32 copy (--fp16) needs all or none; "
                                           f"resume with --reset-optimizer, or --fp16-no-flatten-grads")
                 first = state[self.dense[0]]
-                inner[0] = {k: torch.cat([state[i][k].reshape(-1).float() for i in self.dense])
-                            if torch.is_tensor(v) and v.dim() > 0 else v for k, v in first.items()}
+                elementwise = {k for k in first if any(torch.is_tensor(state[i][k]) and state[i][k].dim() > 0
+                                                       for i in self.dense)}  # (a scalar parameter's are 0-dim)
+                inner[0] = {k: torch.cat([state[i][k].reshape(-1).float() for i in self.dense]) if k in elementwise
+                            else v for k, v in first.items()}
             for j, i in enumerate(self.experts):
                 if i in state:
                     inner[j + 1] = state[i]

@@ -158,6 +158,13 @@ REFUSALS = (
             "layers skipped, beam searches in lockstep); with another task the ranks would wait for each other",
             "each MoE layer is an all-to-all of every rank",
             {"spread": True, "moe_task": False, "task": argparse.Namespace(eval_bleu=True)}),
+    Refusal("AMP with spread experts", ("--amp",), "trainer", lambda c: c.spread and bool(c.flag("amp", False)),
+            "--amp cannot be used with experts spread over ranks: torch's GradScaler decides on each rank alone "
+            "whether a step overflowed, so an overflow in one rank's experts would skip the step there and take it "
+            "on the others (their shared weights would drift apart); use --fp16 or --memory-efficient-fp16",
+            "GradScaler.step skips the step on the ranks whose own gradients hold an inf, and fairseq retries the "
+            "batch on all",
+            {"spread": True, "flags": {"amp": True}}),
     Refusal("asynchronous checkpoint writes with spread experts", ("--write-checkpoints-asynchronously",),
             "trainer", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
             "--write-checkpoints-asynchronously is not supported with experts spread over ranks: a set's files "

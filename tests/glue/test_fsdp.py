@@ -95,3 +95,71 @@ def test_fully_sharded_fp16_and_refused_optimizers(data_bin, tmp_path):
     assert bad.returncode != 0 and len(errors) == 1, tail(out.stderr)
     assert "--optimizer adafactor cannot be used with --ddp-backend fully_sharded" in errors[0]
     assert not list((tmp_path / "ada").glob("*.pt"))
+
+
+def _fp16_state_resumes(rank, W):
+    """A sharded fp16 model (a dense and an expert tensor) under fairseq's MemoryEfficientFP16Optimizer: its state
+    dict holds whole fp32 tensors; loaded into a new optimizer, the dense state is this rank's rows (DTensors) and
+    every entry stays fp32 (torch casts to the fp16 parameter's dtype; fairseq's own hack would put back whole
+    tensors), and it steps."""
+    from types import SimpleNamespace
+
+    from fairseq.optim.adam import FairseqAdam
+    from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
+    from omegaconf import OmegaConf
+    from torch.distributed import group
+    from torch.distributed.tensor import DTensor
+
+    from fairseq_moe import fsdp
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense, self.expert = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.randn(2, 4))
+            self.expert.expert = True
+
+        def forward(self, x):
+            return self.dense(x) @ self.expert.t()
+
+    torch.manual_seed(0)
+    model = Model().half()
+    fsdp.shard(model, group.WORLD, torch.device("cpu"),
+               SimpleNamespace(no_reshard_after_forward=False, fp32_reduce_scatter=False))
+    params = list(model.parameters())
+    adam = OmegaConf.create(dict(adam_betas="(0.9, 0.98)", adam_eps=1e-8, weight_decay=0.0, use_old_adam=False,
+                                 fp16_adam_stats=False, tpu=False, lr=[0.001]))
+    cfg = OmegaConf.create(dict(common=dict(fp16_init_scale=128, fp16_scale_window=None, fp16_scale_tolerance=0.0,
+                                            threshold_loss_scale=None, min_loss_scale=1e-4, bf16=False,
+                                            memory_efficient_bf16=False, model_parallel_size=1),
+                                distributed_training=dict(distributed_world_size=W), optimization=dict(update_freq=[1])))
+
+    def build():
+        optimizer = MemoryEfficientFP16Optimizer(cfg, params, FairseqAdam(adam, params))
+        fsdp.shard_optimizer_state(fsdp.torch_optimizer(optimizer))
+        return optimizer
+
+    def step(optimizer):
+        optimizer.zero_grad()
+        optimizer.backward(model(torch.randn(3, 4).half()).float().sum())
+        optimizer.clip_grad_norm(0.0)
+        optimizer.step()
+
+    first = build()
+    step(first)
+    saved = first.state_dict()
+    assert all(type(v) is torch.Tensor and v.dtype == torch.float32 for e in saved["state"].values()
+               for v in e.values() if torch.is_tensor(v))
+    second = build()
+    second.load_state_dict(saved)
+    state = fsdp.torch_optimizer(second).state
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[p][key].dtype == torch.float32 and isinstance(state[p][key], DTensor) == (p is not
+                                                                                                  model.expert)
+    step(second)
+
+
+def test_a_sharded_fp16_optimizer_state_resumes_as_fp32_rows():
+    from ..moe.test_comm import spawn
+
+    spawn(_fp16_state_resumes, 2)
