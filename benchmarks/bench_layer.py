@@ -65,7 +65,24 @@ def parser(description, E=(8, 32, 128), T=(4096, 16384)):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("auto", "torch", "grouped_mm"), default="auto",
                    help="--moe-kernel-backend of the layer (auto: torch on the CPU)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="glibc keeps freed memory for reuse (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1, for both "
+                        "models): a step's fresh gradient buffers then cost no page faults, as with jemalloc or "
+                        "tcmalloc; by default glibc maps every block over 32 MB anew")
     return p
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory():
+    """glibc's malloc stops mapping large blocks and returning freed memory to the kernel, for this process: every
+    later allocation reuses pages it already touched. True if set (glibc found)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))  # (-1: never trims)
 
 
 def parse_args(argv=None):
@@ -468,7 +485,10 @@ def start(args):
     global _CLOCK
     _CLOCK = time.process_time if args.timer == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads or os.cpu_count())
+    if args.keep_freed_memory and not keep_freed_memory():
+        sys.exit("--keep-freed-memory: glibc's mallopt is not available here")
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
+          f"malloc {'keeps freed memory' if args.keep_freed_memory else 'glibc default'}, "
           f"d={args.d} f={args.f} k={args.k} fp32, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
