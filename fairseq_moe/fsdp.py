@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import FlagError
+from .optim import is_expert
 
 logger = logging.getLogger(__name__)
 DEFAULT_MIN_PARAMS_TO_WRAP = int(1e8)  # fairseq's default of --min-params-to-wrap
@@ -54,7 +55,7 @@ def shard(model, group, device, cfg):
 
     model.to(device)
     mesh = DeviceMesh.from_group(group, device.type)
-    experts = {p for p in model.parameters() if hasattr(p, "expert")}
+    experts = {p for p in model.parameters() if is_expert(p)}
     reshard = not cfg.no_reshard_after_forward
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard, ignored_params=experts)
     if cfg.fp32_reduce_scatter:
@@ -89,7 +90,7 @@ def distributed_model(original):
     def wrap(args, model, process_group, device):
         if args.ddp_backend != "fully_sharded":
             return original(args, model, process_group, device)
-        if not any(hasattr(p, "expert") for p in model.parameters()):  # a criterion with parameters: replicated
+        if not any(is_expert(p) for p in model.parameters()):  # a criterion with parameters: replicated
             args.ddp_backend = "legacy_ddp"  # (for this call: refusals.py keeps dense models out of fully_sharded)
             try:
                 return original(args, model, process_group, device)
@@ -105,12 +106,6 @@ def trainer_is_fsdp(self):
     """fairseq's fairscale FSDP never runs with the plugin: --ddp-backend fully_sharded is torch's FSDP here, to
     which the rest of fairseq's Trainer is a data-parallel run like legacy_ddp's."""
     return False
-
-
-@property
-def trainer_always_call_state_dict(self):
-    """Every rank takes part in the state dict of a sharded model (it gathers each dense tensor)."""
-    return is_sharded(self.get_model())
 
 
 def _whole(value):
@@ -248,7 +243,7 @@ def clip_sharded(params, max_norm, aggregate_norm_fn=None):
     ranks. optim.clip_grad_norm calls it."""
     with_grad = [p for p in params if p is not None and getattr(p, "grad", None) is not None]
     sharded = [p.grad for p in with_grad if is_dtensor(p.grad)]
-    dense = [p.grad for p in with_grad if not hasattr(p, "expert")]
+    dense = [p.grad for p in with_grad if not is_expert(p)]
     squares = torch.zeros((), dtype=torch.float32, device=sharded[0].to_local().device)
     for g in dense:
         if is_dtensor(g):

@@ -371,10 +371,6 @@ def flat_fp16_class():
             self.experts = [i for i, p in enumerate(params) if is_expert(p)]
             self.flat, self.expert_fp32 = fp32_params[0], fp32_params[1:]
 
-        @property
-        def has_flat_params(self):
-            return True
-
         def _slices(self):
             offset = 0
             for i in self.dense:

@@ -73,8 +73,6 @@ PATCHES = (
     Patch(_TRAINER, "is_fsdp", "fairseq_moe.fsdp:trainer_is_fsdp",
           "fairseq's fully_sharded is fairscale's FSDP (CUDA streams; it would shard the experts again): here it is "
           "torch's, which the rest of the Trainer treats as a data-parallel run"),
-    Patch(_TRAINER, "always_call_state_dict_during_save_checkpoint", "fairseq_moe.fsdp:trainer_always_call_state_dict",
-          "the state dict of a sharded model gathers each dense tensor: every rank takes part"),
     Patch(_TRAINER, "_build_optimizer", "fairseq_moe.fsdp:trainer_build_optimizer",
           "on a sharded model: pointwise optimizers only, and the optimizer state saved whole, loaded as this rank's "
           "rows", wraps=True),

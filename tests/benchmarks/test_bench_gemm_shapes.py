@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
@@ -27,6 +29,7 @@ def test_the_gemm_sets_of_each_E(tmp_path):
         capture_output=True, text=True, timeout=300).stderr
 
 
+@pytest.mark.slow
 def test_the_layer_benchmark_keeps_freed_memory_when_asked():
     assert "malloc keeps freed memory" in run("bench_layer.py", "--E", "4", "--T", "64", "--d", "8", "--f", "12",
                                               "--reps", "1", "--threads", "1", "--dropless", "--keep-freed-memory")

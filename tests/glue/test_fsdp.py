@@ -159,6 +159,7 @@ def _fp16_state_resumes(rank, W):
     step(second)
 
 
+@pytest.mark.slow
 def test_a_sharded_fp16_optimizer_state_resumes_as_fp32_rows():
     from ..moe.test_comm import spawn
 

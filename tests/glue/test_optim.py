@@ -384,6 +384,7 @@ def _overflow_on_one_rank(rank, W):
     assert norm.item() == float("inf"), (rank, norm)
 
 
+@pytest.mark.slow
 def test_an_overflow_in_one_ranks_expert_makes_every_ranks_norm_inf():
     """Each rank holds other experts: one rank's overflow is every rank's (a flag all-reduced), so they skip the step
     together and keep one loss scale."""
