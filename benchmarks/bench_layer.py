@@ -19,7 +19,6 @@ See benchmarks/README.md for what each column means.
 """
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -34,7 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fairseq_moe_layer import MoEConfig, MoELayer  # noqa: E402
+from fairseq_moe_layer import MoEConfig, MoELayer, malloc  # noqa: E402
 from kernel_cases import DenseFFNs  # noqa: E402  (beside this script: the same baseline as bench_kernels)
 import fairseq_moe_layer.layer as layer_module  # noqa: E402
 
@@ -69,20 +68,11 @@ def parser(description, E=(8, 32, 128), T=(4096, 16384)):
                    help="glibc keeps freed memory for reuse (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1, for both "
                         "models): a step's fresh gradient buffers then cost no page faults, as with jemalloc or "
                         "tcmalloc; by default glibc maps every block over 32 MB anew")
+    p.add_argument("--tutel", action="store_true",
+                   help="also time Tutel's moe_layer (its top-k gate and FFN experts, the same E, f, k and "
+                        "capacity factor, 0: dropless) in the same interleaving, against the same dense baseline "
+                        "(needs tutel importable)")
     return p
-
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory():
-    """glibc's malloc stops mapping large blocks and returning freed memory to the kernel, for this process: every
-    later allocation reuses pages it already touched. True if set (glibc found)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))  # (-1: never trims)
 
 
 def parse_args(argv=None):
@@ -116,6 +106,28 @@ def moe_backward(out, grad_y):
     losses = [(loss, torch.tensor(coef)) for loss, coef in ((aux.balance_loss, BALANCE_COEF), (aux.z_loss, Z_COEF))
               if loss.requires_grad]  # (hash routing has no router: nothing to backpropagate into)
     torch.autograd.backward([y, *(l for l, _ in losses)], [grad_y, *(c for _, c in losses)])
+
+
+def tutel_layer(args, E):
+    """Tutel's MoE layer of the same shapes (one process: all E experts local), or exit naming the flag."""
+    try:
+        from tutel import moe as tutel_moe
+    except ImportError as e:
+        sys.exit(f"--tutel: tutel is not importable here ({e})")
+    cf = 0.0 if args.dropless else args.capacity_factor  # (Tutel's 0 is dropless too)
+    return tutel_moe.moe_layer(
+        gate_type={"type": "top", "k": args.k, "capacity_factor": cf, "fp32_gate": True},
+        experts={"type": "ffn", "count_per_node": E, "hidden_size_per_expert": args.f,
+                 "activation_fn": torch.nn.functional.relu},
+        model_dim=args.d, seeds=(args.seed, args.seed + 1, args.seed + 2))
+
+
+def tutel_forward(layer, x):
+    return layer(x)
+
+
+def tutel_backward(y, grad_y):
+    torch.autograd.backward([y, y.l_aux], [grad_y, torch.tensor(BALANCE_COEF)])  # (its one aux loss: GShard's)
 
 
 def dense_forward(dense, x):
@@ -157,29 +169,13 @@ def interleaved(args, *steps):
 # Memory
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+def _malloc_in_use():
+    """The bytes glibc malloc has handed out and not freed, or None without glibc's mallinfo2."""
+    got = malloc.info()
+    return None if got is None else got.uordblks + got.hblkhd  # small blocks in arenas + mapped large blocks
 
 
-def _malloc_in_use_fn():
-    """A function returning the bytes glibc malloc has handed out and not freed, or None."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-
-    def in_use():
-        info = fn()
-        return info.uordblks + info.hblkhd  # small blocks in arenas + mmapped large blocks
-
-    return in_use
-
-
-_MALLOC_IN_USE = _malloc_in_use_fn()
+_MALLOC_IN_USE = _malloc_in_use if malloc.info() is not None else None
 
 
 def saved_activation_bytes(forward, model, x):
@@ -403,8 +399,10 @@ def run_config(args, E, T):
         _, aux = layer(x)
     dropped = aux.dropped_fraction
 
-    moe_ms, dense_ms = interleaved(args, (moe_forward, moe_backward, layer, x, grad_y),
-                                   (dense_forward, dense_backward, dense, x, grad_y))
+    steps = [(moe_forward, moe_backward, layer, x, grad_y), (dense_forward, dense_backward, dense, x, grad_y)]
+    if args.tutel:
+        steps.append((tutel_forward, tutel_backward, tutel_layer(args, E).train(), x, grad_y))
+    moe_ms, dense_ms, *tutel_ms = interleaved(args, *steps)
 
     moe_saved, moe_malloc = saved_activation_bytes(moe_forward, layer, x)
     dense_saved, dense_malloc = saved_activation_bytes(dense_forward, dense, x)
@@ -418,6 +416,9 @@ def run_config(args, E, T):
         "moe_malloc_retained_bytes": moe_malloc, "dense_malloc_retained_bytes": dense_malloc,
     }
     result["time_ratio"] = result["moe_ms"] / result["dense_ms"]
+    if tutel_ms:
+        result.update(tutel_ms=statistics.median(tutel_ms[0]), tutel_ms_all=tutel_ms[0])
+        result["tutel_time_ratio"] = result["tutel_ms"] / result["dense_ms"]
     result["memory_ratio"] = moe_saved / dense_saved
     if args.profile:
         timed_step(moe_forward, moe_backward, layer, x, grad_y)  # warm again after the memory pass
@@ -444,6 +445,9 @@ def print_row(r, header=False):
             f"{r['memory_ratio']:.3f}", f"{100 * r['dropped_fraction']:.1f}%",
             _fmt_mb(r["moe_malloc_retained_bytes"]), _fmt_mb(r["dense_malloc_retained_bytes"]))
     print("  ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
+    if "tutel_ms" in r:
+        print(f"{'':>5}  {'':>6}  Tutel's layer: {r['tutel_ms']:.1f} ms, time ratio {r['tutel_time_ratio']:.3f}",
+              flush=True)
 
 
 def checks(args, results):
@@ -485,7 +489,7 @@ def start(args):
     global _CLOCK
     _CLOCK = time.process_time if args.timer == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads or os.cpu_count())
-    if args.keep_freed_memory and not keep_freed_memory():
+    if args.keep_freed_memory and not malloc.keep_freed_memory():
         sys.exit("--keep-freed-memory: glibc's mallopt is not available here")
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
           f"malloc {'keeps freed memory' if args.keep_freed_memory else 'glibc default'}, "

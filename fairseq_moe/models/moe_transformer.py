@@ -26,6 +26,7 @@ from .. import refusals
 from ..errors import FlagError
 from fairseq_moe_layer import MoEConfig
 from fairseq_moe_layer.options import describe, dest_of, flag_of, full_help, settings
+from fairseq_moe_layer import malloc
 from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
@@ -41,7 +42,7 @@ LAYER_FLAGS = {dest_of(f): f.name for f in settings(MoEConfig) if f.metadata["cl
 # --moe-expert-ffn-dim None: the side's ffn dim.
 MODEL_DEFAULTS = dict(moe_top_k=None, moe_top1_expert=False, moe_expert_ffn_dim=None, moe_freq=2,
                       encoder_moe_freq=0, decoder_moe_freq=0, use_moe_pad_mask=False, moe_a2a_local_size=None,
-                      moe_a2a_overlap_degree=1)
+                      moe_a2a_overlap_degree=1, moe_keep_freed_memory=False)
 
 
 def add_moe_args(parser, encoder=True):
@@ -71,6 +72,10 @@ def add_moe_args(parser, encoder=True):
     add("--moe-a2a-overlap-degree", type=int, metavar="D",
         help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
+    add("--moe-keep-freed-memory", action="store_true",
+        help="glibc's malloc keeps freed memory for reuse in this process (no block mapped apart, none given back "
+             "to the kernel): on the CPU at many experts a step's fresh gradient buffers then cost no page faults; "
+             "resident memory stays at its peak")
     add_layer_args(parser)
 
 
@@ -264,6 +269,8 @@ def prepare_moe_build(args, sides):
         kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu", dtype)
     except ValueError as e:  # names the flag and why
         raise FlagError(str(e)) from None
+    if args.moe_keep_freed_memory and not malloc.keep_freed_memory():
+        raise FlagError("--moe-keep-freed-memory needs glibc's malloc (its mallopt): this process's C library is not glibc")
     args.moe_ep = build_expert_parallel(args)
     refusals.check("build", refusals.Context(flags=args, spread=args.moe_ep is not None))
     return args

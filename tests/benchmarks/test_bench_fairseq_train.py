@@ -1,0 +1,28 @@
+"""benchmarks/bench_fairseq_train.py at tiny sizes (four fairseq-train start-ups): that it runs, reports each run,
+and that the allocator changes no loss. Its figures are measured by running the script (README)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+
+
+@pytest.mark.slow
+def test_four_runs_and_their_ratios(tmp_path):
+    out = tmp_path / "train.json"
+    got = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fairseq_train.py"), "--smoke",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["rows"]) == ["dense glibc", "dense keep", "moe glibc", "moe keep"]
+    for row in result["rows"].values():
+        assert row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 100 and len(row["rounds"]) == 1
+    assert len(result["ratios"]) == 4 and "time per token, moe / dense" in got.stdout
+    # Where blocks come from does not change a number: the same losses with the flag (or the env) as without.
+    rows = result["rows"]
+    assert rows["moe keep"]["loss"] is not None
+    assert rows["moe glibc"]["loss"] == rows["moe keep"]["loss"]
+    assert rows["dense glibc"]["loss"] == rows["dense keep"]["loss"]
