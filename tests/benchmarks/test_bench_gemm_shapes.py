@@ -1,5 +1,5 @@
-"""benchmarks/bench_gemm_shapes.py, and bench_layer.py's --keep-freed-memory, at tiny sizes (in a subprocess each:
-mallopt changes the allocator of the whole process). The figures are measured by running the scripts (README)."""
+"""benchmarks/bench_gemm_shapes.py, and bench_layer.py's --keep-freed-memory and --tutel, at tiny sizes (in a
+subprocess each: mallopt changes the allocator of the whole process). The figures are measured by running the scripts (README)."""
 import json
 import os
 import subprocess
@@ -35,3 +35,19 @@ def test_the_layer_benchmark_keeps_freed_memory_when_asked():
                                               "--reps", "1", "--threads", "1", "--dropless", "--keep-freed-memory")
     assert "malloc glibc default" in run("bench_layer.py", "--E", "4", "--T", "64", "--d", "8", "--f", "12",
                                          "--reps", "1", "--threads", "1", "--dropless")
+
+
+def test_the_layer_benchmark_names_the_tutel_flag_where_tutel_is_missing():
+    script = os.path.join(ROOT, "benchmarks", "bench_layer.py")
+    code = (f"import os, runpy, sys; sys.modules['tutel'] = None; sys.path.insert(0, os.path.dirname({script!r})); "
+            f"sys.argv = [{script!r}, '--E', '4', '--T', '64', "
+            f"'--d', '8', '--f', '12', '--reps', '1', '--tutel']; runpy.run_path({script!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--tutel: tutel is not importable here" in out.stderr
+
+
+def test_the_layer_benchmark_times_tutel_beside_ours_where_it_is_installed():
+    pytest.importorskip("tutel")
+    out = run("bench_layer.py", "--E", "4", "--T", "64", "--d", "8", "--f", "12", "--reps", "1", "--threads", "1",
+              "--dropless", "--tutel")
+    assert out.count("Tutel's layer:") == 1
