@@ -1,7 +1,7 @@
 """fairseq-train's tokens/s on the CPU, MoE over its dense equivalent, with glibc's default malloc and with
 --moe-keep-freed-memory.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fairseq_train.py            # E = 32, 3 rounds: ~12 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fairseq_train.py            # E = 32, 3 rounds: ~15 min
     .venv/bin/python benchmarks/bench_fairseq_train.py --smoke                      # tiny: that it runs
 
 A decoder-only LM on random words (fairseq-preprocess'd into a temporary folder): --layers layers of width --d and
@@ -28,6 +28,12 @@ from pathlib import Path
 
 USER_DIR = str(Path(__file__).resolve().parents[1] / "fairseq_moe")
 KEEP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 62)}  # glibc's names for the same two
+
+
+def clean_env():
+    """This process's environment without glibc's malloc settings (MALLOC_*_, GLIBC_TUNABLES): the default runs
+    get glibc's defaults whatever the caller exported."""
+    return {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
 
 
 def parser():
@@ -61,7 +67,7 @@ def run(cmd, env=None):
     """cmd to its end; -> (stdout + stderr, peak RSS in MB, system seconds)."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+                                env=dict(clean_env(), OMP_NUM_THREADS="1", **(env or {})))
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
@@ -88,7 +94,7 @@ def train_argv(args, data, moe, keep):
 
 def tokens_per_s(log):
     """fairseq's wps of each train_inner interval after the first (the warm-up)."""
-    wps = [float(m) for m in re.findall(r"train_inner .* wps=([0-9.]+)", log)]
+    wps = [float(m) for m in re.findall(r"train_inner .* wps=([0-9.e+]+)", log)]  # (fairseq's {:g})
     if len(wps) < 2:
         sys.exit(f"fewer than two train_inner intervals in the log (raise --updates):\n{log[-2000:]}")
     return statistics.median(wps[1:])
@@ -100,6 +106,7 @@ def final_loss(log):
     return float(found[-1]) if found else None
 
 
+SET_LINE = "--moe-keep-freed-memory: glibc's malloc keeps freed memory"  # (fairseq_moe/checkpoint.py logs it)
 RUNS = (("dense", False, False), ("dense", False, True), ("moe", True, False), ("moe", True, True))
 
 
@@ -108,21 +115,34 @@ def main(argv=None):
     if args.smoke:
         args.experts, args.d, args.f, args.tokens, args.sample = 4, 32, 64, 256, 32
         args.updates, args.log_interval, args.rounds = 4, 1, 1
-    tmp = Path(tempfile.mkdtemp(prefix="bench_fairseq_train_"))
-    data = corpus(tmp, sentences=200 if args.smoke else 4000)
+    if os.environ.get("LD_PRELOAD"):
+        print(f"note: LD_PRELOAD={os.environ['LD_PRELOAD']} is set: the runs may not use glibc's malloc")
+    with tempfile.TemporaryDirectory(prefix="bench_fairseq_train_") as tmp:
+        got = measure(args, corpus(Path(tmp), sentences=200 if args.smoke else 4000))
+    report(args, got)
+
+
+def measure(args, data):
+    """--rounds rounds of the four runs; -> {run: [(tokens/s, peak RSS MB, kernel s, final loss, whether the flag's
+    log line is in its log) per round]}."""
     got = {run_: [] for run_ in RUNS}
     for r in range(args.rounds):
         for name, moe, keep in RUNS:
             log, rss, sys_s = run(train_argv(args, data, moe, keep), env=KEEP_ENV if keep and not moe else None)
-            got[name, moe, keep].append((tokens_per_s(log), rss, sys_s, final_loss(log)))
+            got[name, moe, keep].append((tokens_per_s(log), rss, sys_s, final_loss(log), SET_LINE in log))
             print(f"round {r + 1}: {name:5} {'keep' if keep else 'glibc':5} {got[name, moe, keep][-1][0]:9.1f} "
                   f"tokens/s  {rss:7.0f} MB  {sys_s:5.1f} s sys", flush=True)
+    return got
+
+
+def report(args, got):
     rows = {}
     for key in RUNS:
         name, _, keep = key
         medians = [statistics.median(x[i] for x in got[key]) for i in range(3)]
         rows[f"{name} {'keep' if keep else 'glibc'}"] = dict(zip(("tokens_per_s", "peak_rss_mb", "sys_s"), medians),
-                                                          loss=got[key][-1][3], rounds=got[key])
+                                                          loss=got[key][-1][3], flag_logged=got[key][-1][4],
+                                                          rounds=got[key])
     tps = {name: row["tokens_per_s"] for name, row in rows.items()}
     ratios = {"moe / dense, glibc": tps["dense glibc"] / tps["moe glibc"],
               "moe / dense, keep": tps["dense keep"] / tps["moe keep"],

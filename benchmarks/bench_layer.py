@@ -123,11 +123,13 @@ def tutel_layer(args, E):
 
 
 def tutel_forward(layer, x):
+    """Tutel's layer returns y, its balance loss on y.l_aux."""
     return layer(x)
 
 
 def tutel_backward(y, grad_y):
-    torch.autograd.backward([y, y.l_aux], [grad_y, torch.tensor(BALANCE_COEF)])  # (its one aux loss: GShard's)
+    """As moe_backward, with Tutel's one aux loss (GShard's balance loss) at our weight."""
+    torch.autograd.backward([y, y.l_aux], [grad_y, torch.tensor(BALANCE_COEF)])
 
 
 def dense_forward(dense, x):
@@ -491,8 +493,13 @@ def start(args):
     torch.set_num_threads(args.threads or os.cpu_count())
     if args.keep_freed_memory and not malloc.keep_freed_memory():
         sys.exit("--keep-freed-memory: glibc's mallopt is not available here")
+    if args.tutel:
+        tutel_layer(args, 2)  # (fails now, naming --tutel, where Tutel is missing)
+    env = sorted(k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD"))
+    alloc = ("keeps freed memory" if args.keep_freed_memory else f"as set by {', '.join(env)}" if env
+             else "glibc default")
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
-          f"malloc {'keeps freed memory' if args.keep_freed_memory else 'glibc default'}, "
+          f"malloc {alloc}, "
           f"d={args.d} f={args.f} k={args.k} fp32, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fairseq_moe_layer import malloc
 from fairseq_moe_layer.comm import local_experts
 
 from . import expert_checkpoint as shards
@@ -187,8 +188,23 @@ def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     refusals.check("trainer", refusals.Context(flags=refusals.training_flags(cfg), spread=bool(spread), model=model,
                                                criterion=criterion, task=cfg.get("task"),
                                                moe_task=getattr(task, "moves_routing_biases", False)))
+    keep_freed_memory_if_asked(cfg)
     patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
+
+
+def keep_freed_memory_if_asked(cfg):
+    """--moe-keep-freed-memory (fairseq_moe_layer/malloc.py), in a process that trains: here, when its Trainer is
+    built, before any gradient or optimizer state exists. Not at model build: a model is built from the flags
+    saved in a checkpoint wherever one is loaded (generate, eval-lm, the hub), and a flag of the training run
+    must not change those processes' allocator, nor fail a load on a machine without glibc."""
+    model = cfg if isinstance(cfg, argparse.Namespace) else cfg.get("model")
+    if not getattr(model, "moe_keep_freed_memory", False):
+        return
+    if not malloc.keep_freed_memory():
+        raise FlagError("--moe-keep-freed-memory needs glibc's malloc (its mallopt): this C library is not glibc")
+    logger.info("--moe-keep-freed-memory: glibc's malloc keeps freed memory in this process (no block mapped "
+                "apart, the heap not trimmed)")
 
 
 @property

@@ -5,23 +5,26 @@ Why: a training step frees and allocates again the experts' weight gradients (fa
 (512 MB at E = 128, d = 512, f = 2048, fp32), while glibc maps every block above 32 MB anew (mmap) and unmaps it
 when freed: the kernel then zeroes fresh pages for each of them at every step. benchmarks/bench_layer.py measured
 12 s of a 73 s run at E = 128 in the kernel, and the layer's ratio over its dense equivalent varying from 1.18
-to 1.50 between runs; fairseq-train at E = 32 gets 1.2x its tokens/s back (benchmarks/bench_fairseq_train.py).
+to 1.50 between runs; fairseq-train at E = 32 got 1.18x its tokens/s (benchmarks/bench_fairseq_train.py).
 
-keep_freed_memory() has glibc serve every block from its heap and never hand the heap's top back to the kernel,
-as jemalloc and tcmalloc keep freed memory: freed pages are reused untouched by the kernel. The cost is that
-the process's resident memory stays at its peak (it does not shrink after one large step). Process-wide, for
-every later allocation of every thread; blocks allocated before it keep their own way.
+keep_freed_memory() has glibc serve every block from its heaps and never trim the main heap's top back to the
+kernel, as jemalloc and tcmalloc keep freed memory: freed pages are reused without the kernel (it still faults
+in pages the first time the heap grows, and may still unmap whole heaps of other threads' arenas). The cost:
+the process's resident memory does not shrink after a peak, and fragmentation can keep it above the peak in use.
+Process-wide, for every later allocation of every thread; blocks allocated before it keep their own way. So
+fairseq-train sets it when its Trainer is built (fairseq_moe/checkpoint.py), not where a model is built.
 """
 import ctypes
-import ctypes.util
+import functools
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
+@functools.lru_cache(maxsize=None)
 def _libc():
-    name = ctypes.util.find_library("c")
+    """The C library this process runs on (its symbols, as dlopen(NULL) sees them), or None without mallopt."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") else None
@@ -30,7 +33,7 @@ def _libc():
 def keep_freed_memory():
     """Set glibc's malloc, for this process, to map no block of its own (M_MMAP_MAX = 0) and to return no freed
     memory to the kernel (M_TRIM_THRESHOLD = -1, read as the largest size). -> True if the C library took both
-    settings; False where it has no mallopt (not glibc: macOS, or musl, whose mallopt does nothing)."""
+    settings; False elsewhere (no mallopt, as on macOS, or one that takes neither, as musl's)."""
     libc = _libc()
     if libc is None:
         return False

@@ -26,7 +26,6 @@ from .. import refusals
 from ..errors import FlagError
 from fairseq_moe_layer import MoEConfig
 from fairseq_moe_layer.options import describe, dest_of, flag_of, full_help, settings
-from fairseq_moe_layer import malloc
 from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
@@ -73,9 +72,10 @@ def add_moe_args(parser, encoder=True):
         help="with the experts spread over ranks: cut the rows into D chunks whose all-to-alls "
              "overlap expert compute (flat all-to-all only; default 1: no overlap)")
     add("--moe-keep-freed-memory", action="store_true",
-        help="glibc's malloc keeps freed memory for reuse in this process (no block mapped apart, none given back "
-             "to the kernel): on the CPU at many experts a step's fresh gradient buffers then cost no page faults; "
-             "resident memory stays at its peak")
+        help="training: glibc's malloc keeps freed memory for reuse in this process (no block mapped apart, the "
+             "heap not trimmed): on the CPU at many experts a step's fresh gradient buffers then cost far fewer page "
+             "faults; resident memory does not shrink after a peak (set when the Trainer is built; never in "
+             "generate or eval)")
     add_layer_args(parser)
 
 
@@ -269,8 +269,6 @@ def prepare_moe_build(args, sides):
         kernel_backend.resolve(args.moe_kernel_backend, "cuda" if on_gpu else "cpu", dtype)
     except ValueError as e:  # names the flag and why
         raise FlagError(str(e)) from None
-    if args.moe_keep_freed_memory and not malloc.keep_freed_memory():
-        raise FlagError("--moe-keep-freed-memory needs glibc's malloc (its mallopt): this process's C library is not glibc")
     args.moe_ep = build_expert_parallel(args)
     refusals.check("build", refusals.Context(flags=args, spread=args.moe_ep is not None))
     return args

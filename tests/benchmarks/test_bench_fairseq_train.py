@@ -23,6 +23,8 @@ def test_four_runs_and_their_ratios(tmp_path):
     assert len(result["ratios"]) == 4 and "time per token, moe / dense" in got.stdout
     # Where blocks come from does not change a number: the same losses with the flag (or the env) as without.
     rows = result["rows"]
-    assert rows["moe keep"]["loss"] is not None
+    assert all(row["loss"] is not None for row in rows.values())
+    # The flag reached the run's Trainer (its log line), and only that run's.
+    assert [name for name, row in rows.items() if row["flag_logged"]] == ["moe keep"]
     assert rows["moe glibc"]["loss"] == rows["moe keep"]["loss"]
     assert rows["dense glibc"]["loss"] == rows["dense keep"]["loss"]

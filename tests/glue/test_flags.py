@@ -121,25 +121,30 @@ def test_kernel_backend_flag(data_bin, tmp_path, monkeypatch):
         build(train_argv(data_bin, tmp_path, "--moe-kernel-backend", "triton"))
 
 
-def test_keep_freed_memory_flag_sets_the_allocator_before_the_weights(data_bin, tmp_path, monkeypatch):
-    """--moe-keep-freed-memory calls malloc.keep_freed_memory() once, before any weight is built (what the call
-    does to glibc: tests/moe/test_malloc.py, in a fresh interpreter; here it is replaced, so that this test process
-    keeps glibc's defaults); where the C library cannot take it, one line names the flag."""
-    from fairseq_moe_layer import experts, malloc
+def test_keep_freed_memory_is_set_by_the_trainer_only(data_bin, tmp_path, monkeypatch, caplog):
+    """--moe-keep-freed-memory calls malloc.keep_freed_memory() once, when the Trainer is built, never at model build
+    (which also runs wherever a checkpoint is loaded: generate, eval-lm, the hub). What the call does to glibc:
+    tests/moe/test_malloc.py, in a fresh interpreter; here it is replaced, so that this test process keeps glibc's
+    defaults. Where the C library cannot take it, one line names the flag."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    from fairseq_moe_layer import malloc
 
     calls = []
-    built = experts.Experts.__init__
     monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append("malloc") or True)
-    monkeypatch.setattr(experts.Experts, "__init__",
-                        lambda self, *a, **k: calls.append("experts") or built(self, *a, **k))
-    blocks(data_bin, tmp_path)
-    assert calls == ["experts"] * 2  # (off by default)
-    calls.clear()
-    blocks(data_bin, tmp_path, "--moe-keep-freed-memory")
-    assert calls == ["malloc", "experts", "experts"]
+    for extra, expect in (((), []), (("--moe-keep-freed-memory",), ["malloc"])):
+        task, model, criterion, args = build(train_argv(data_bin, tmp_path, *extra))
+        assert calls == []  # (the model is built: nothing set yet)
+        with caplog.at_level("INFO"):
+            Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
+        assert calls == expect
+        assert ("glibc's malloc keeps freed memory in this process" in caplog.text) == bool(expect)
+        calls.clear()
     monkeypatch.setattr(malloc, "keep_freed_memory", lambda: False)
+    task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--moe-keep-freed-memory"))
     with pytest.raises(ValueError, match="--moe-keep-freed-memory needs glibc's malloc"):
-        build(train_argv(data_bin, tmp_path, "--moe-keep-freed-memory"))
+        Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
 
 
 def test_checkpoint_unfriendly_setups_refused_with_spread_experts():
