@@ -5,7 +5,8 @@ Why: a training step frees and allocates again the experts' weight gradients (fa
 (512 MB at E = 128, d = 512, f = 2048, fp32), while glibc maps every block above 32 MB anew (mmap) and unmaps it
 when freed: the kernel then zeroes fresh pages for each of them at every step. benchmarks/bench_layer.py measured
 12 s of a 73 s run at E = 128 in the kernel, and the layer's ratio over its dense equivalent varying from 1.18
-to 1.50 between runs; fairseq-train at E = 32 got 1.18x its tokens/s (benchmarks/bench_fairseq_train.py).
+to 1.50 between runs; fairseq-train at E = 32 got 1.13x and 1.18x its tokens/s in two runs
+(benchmarks/bench_fairseq_train.py).
 
 keep_freed_memory() has glibc serve every block from its heaps and never trim the main heap's top back to the
 kernel, as jemalloc and tcmalloc keep freed memory: freed pages are reused without the kernel (it still faults
