@@ -65,9 +65,9 @@ def parser(description, E=(8, 32, 128), T=(4096, 16384)):
     p.add_argument("--backend", choices=("auto", "torch", "grouped_mm"), default="auto",
                    help="--moe-kernel-backend of the layer (auto: torch on the CPU)")
     p.add_argument("--keep-freed-memory", action="store_true",
-                   help="glibc keeps freed memory for reuse (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1, for both "
-                        "models): a step's fresh gradient buffers then cost no page faults, as with jemalloc or "
-                        "tcmalloc; by default glibc maps every block over 32 MB anew")
+                   help="glibc keeps freed memory for reuse (fairseq_moe_layer/malloc.py, for both models): a "
+                        "step's fresh gradient buffers then cost far fewer page faults, as with jemalloc or tcmalloc; "
+                        "by default glibc maps every block over 32 MB anew")
     p.add_argument("--tutel", action="store_true",
                    help="also time Tutel's moe_layer (its top-k gate and FFN experts, the same E, f, k and "
                         "capacity factor, 0: dropless) in the same interleaving, against the same dense baseline "
@@ -108,14 +108,19 @@ def moe_backward(out, grad_y):
     torch.autograd.backward([y, *(l for l, _ in losses)], [grad_y, *(c for _, c in losses)])
 
 
-def tutel_layer(args, E):
-    """Tutel's MoE layer of the same shapes (one process: all E experts local), or exit naming the flag."""
+def tutel_moe():
+    """Tutel's tutel.moe, or exit naming the flag."""
     try:
-        from tutel import moe as tutel_moe
+        from tutel import moe
     except ImportError as e:
         sys.exit(f"--tutel: tutel is not importable here ({e})")
+    return moe
+
+
+def tutel_layer(args, E):
+    """Tutel's MoE layer of the same shapes (one process: all E experts local)."""
     cf = 0.0 if args.dropless else args.capacity_factor  # (Tutel's 0 is dropless too)
-    return tutel_moe.moe_layer(
+    return tutel_moe().moe_layer(
         gate_type={"type": "top", "k": args.k, "capacity_factor": cf, "fp32_gate": True},
         experts={"type": "ffn", "count_per_node": E, "hidden_size_per_expert": args.f,
                  "activation_fn": torch.nn.functional.relu},
@@ -494,7 +499,7 @@ def start(args):
     if args.keep_freed_memory and not malloc.keep_freed_memory():
         sys.exit("--keep-freed-memory: glibc's mallopt is not available here")
     if args.tutel:
-        tutel_layer(args, 2)  # (fails now, naming --tutel, where Tutel is missing)
+        tutel_moe()  # (fails now, naming --tutel, where Tutel is missing)
     env = sorted(k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD"))
     alloc = ("keeps freed memory" if args.keep_freed_memory else f"as set by {', '.join(env)}" if env
              else "glibc default")
