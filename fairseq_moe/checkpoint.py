@@ -517,7 +517,7 @@ def newest_complete_set(last, suffix, log=True):
         return None
     except CheckpointError as e:
         damage = e
-    folder, names, best = os.path.dirname(last), commit.run_names(suffix), None
+    folder, names, best = os.path.dirname(last), shards.run_names(suffix), None
     for name in os.listdir(folder):
         m = names.match(name)
         if not m or m.group("tmp") or not name.endswith("-shared.pt"):

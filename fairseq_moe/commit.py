@@ -22,13 +22,11 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
-
 
 from . import expert_checkpoint as shards
 from .errors import SaveError
-from .new_files import one_line, write_exclusive
+from .new_files import one_line, os_error_in, write_exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +48,15 @@ def _fresh(path):
 
 
 def write_synced(obj, path):
-    """torch.save(obj) to the new file path, flushed to disk."""
+    """torch.save(obj) to the new file path, flushed to disk. A failure to write is an OSError naming path."""
     _fresh(path)
-    write_exclusive(obj, path)
+    try:
+        write_exclusive(obj, path)
+    except Exception as e:
+        io = os_error_in(e)
+        if io is None or io.filename is not None:
+            raise
+        raise OSError(io.errno, io.strerror or str(io), path) from e
 
 
 def copy_synced(src, dst):
@@ -67,13 +71,14 @@ def _remove(path):
 
 
 def write_journal(folder, save_id, suffix, world_size, commit, retire):
-    """Step 3: the commit point. commit, retire: set names (NAME, without the folder)."""
+    """Step 3: the commit point. commit, retire: set names (NAME, without the folder). Returns (path,
+    journal)."""
     path = shards.journal_path(folder, save_id, suffix)
+    journal = {"save_id": save_id, "world_size": world_size, "commit": sorted(commit), "retire": sorted(retire)}
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"save_id": save_id, "world_size": world_size, "commit": sorted(commit),
-                       "retire": sorted(retire)}, f)
+            json.dump(journal, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -81,7 +86,7 @@ def write_journal(folder, save_id, suffix, world_size, commit, retire):
         _remove(tmp)
         raise
     fsync_folder(folder)
-    return path
+    return path, journal
 
 
 def switch(folder, journal, path, renamed_all=None):
@@ -120,40 +125,33 @@ def switch(folder, journal, path, renamed_all=None):
     return renamed
 
 
-def run_names(suffix):
-    """The file names of one run's checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
-    checkpoint_best, checkpoint.best_loss_3.2101 as fairseq names them; with --checkpoint-suffix), as sets,
-    files or temporaries: group 1 is the name without the suffix."""
-    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_\w+?_\d+\.?\d*)" + re.escape(suffix or "")
-                      + r"(-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp|\.[0-9a-f]{32}\.staged)?$")
-
-
 def recover(folder, suffix):
-    """What a stopped save left in folder, for one run's names (run_names): a committed save's switch is
-    finished, an uncommitted one's staged files are removed, and so are fairseq's NAME.pt.tmp. Called when
-    no rank writes (rank 0, before a save or a resume). Every action is one log line."""
+    """What a stopped save left in folder, for one run's names (shards.run_names): a committed save's switch
+    is finished, an uncommitted one's staged files are removed, and so are fairseq's NAME.pt.tmp. A journal
+    that is not provably this run's (shards.journal_problem) is left alone with one warning, and so are the
+    staged files of its save id. Called when no rank writes (rank 0, before a save or a resume). Every action
+    is one log line."""
     if not os.path.isdir(folder):
         return
     for path, journal in shards.journals(folder, suffix or ""):
         try:
             n = switch(folder, journal, path)
-        except SaveError as e:  # (a file of the committed save is gone: the resume falls back to another set)
+        except SaveError as e:  # (a file of the committed save went since: the resume falls back to another set)
             logger.warning(f"{e}: the journal and the sets it retires are left as they are")
             continue
         logger.info("finished the save %s committed before a stop: %d file(s) renamed, sets %s in place%s",
-                    os.path.basename(path), n, ", ".join(journal["commit"]) or "none",
+                    os.path.basename(path), n, ", ".join(journal["commit"]),
                     f", {', '.join(journal['retire'])} retired" if journal["retire"] else "")
-    names = run_names(suffix)
-    for name in sorted(os.listdir(folder)):
+    names, listing = shards.run_names(suffix), sorted(os.listdir(folder))
+    journaled = {m.group("save_id") for m in map(shards.JOURNAL.match, listing) if m and not m.group("tmp")}
+    for name in listing:
         m, journal = names.match(name), shards.JOURNAL.match(name)
-        if journal and journal.group("suffix") == (suffix or ""):  # (the readable ones are done and gone)
-            if journal.group("tmp"):  # a journal being written when the save stopped: nothing was committed
-                _remove(os.path.join(folder, name))
-                logger.info("removed %s, left by a save that did not commit", name)
-            else:
-                logger.warning("%s is named like a save's journal but does not read as one: left alone",
-                               os.path.join(folder, name))
-        elif m and m.group("tmp"):
+        if journal and journal.group("suffix") == (suffix or "") and journal.group("tmp"):
+            # a journal being written when the save stopped: nothing was committed
+            _remove(os.path.join(folder, name))
+            logger.info("removed %s, left by a save that did not commit", name)
+        elif m and m.group("tmp") and not ((staged := shards.STAGED.match(name))
+                                            and staged.group("save_id") in journaled):
             _remove(os.path.join(folder, name))
             logger.info("removed %s, left by a save that did not finish", name)
 
@@ -262,13 +260,22 @@ class SetSave:
                    shards.committed_files(os.path.join(self.folder, name), journal) if not os.path.exists(staged)]
         if missing:  # (every rank said its files are on disk; someone removed one since)
             return False, f"{missing[0]} is gone"
+        if not commit:  # (only sets to retire: nothing to switch, and a journal must commit something)
+            try:
+                for name in sorted(retire):
+                    for old in shards.set_files(os.path.join(self.folder, name)):
+                        _remove(old)
+            except Exception as e:
+                return True, error_line(e)
+            logger.info("retired the checkpoint sets %s (%d ranks)", ", ".join(sorted(retire)), self.world_size)
+            return None
         try:
-            path = write_journal(self.folder, self.save_id, self.suffix, self.world_size, commit, retire)
+            path, journal = write_journal(self.folder, self.save_id, self.suffix, self.world_size, commit, retire)
         except Exception as e:
             return False, error_line(e)
         self._step("committed")
         try:
-            switch(self.folder, shards.read_journal(path), path, renamed_all=lambda: self._step("switched"))
+            switch(self.folder, journal, path, renamed_all=lambda: self._step("switched"))
         except Exception as e:
             return True, error_line(e)
         logger.info("committed the checkpoint sets %s (%d ranks)%s", ", ".join(sorted(commit)), self.world_size,
@@ -277,10 +284,12 @@ class SetSave:
 
 
 def _io_error(e):
-    """An OSError, or torch's zip writer failing to write (it reports a full disk as a RuntimeError)."""
-    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower())
+    """An I/O failure (os_error_in), or torch's zip writer failing to write with no OSError to show."""
+    return os_error_in(e) is not None or (isinstance(e, RuntimeError) and "write" in str(e).lower())
 
 
 def error_line(e):
-    """An exception as one line: its type and its message (new_files.one_line)."""
+    """An exception as one line: its type and its message (new_files.one_line); for a failure to write, the
+    OSError underneath (torch's own message says only "unexpected pos")."""
+    e = os_error_in(e) or e
     return f"{type(e).__name__}: {one_line(e)}"

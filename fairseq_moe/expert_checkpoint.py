@@ -21,17 +21,21 @@ this is the file format, used by the trainer hooks (checkpoint.py) and reshard/c
 import contextlib
 import glob
 import json
+import logging
 import os
 import pickle
 import re
-import zipfile
+import stat
 import time
 import uuid
+import zipfile
 
 import torch
 
 from .errors import CheckpointError, MissingCheckpointError
 from fairseq_moe_layer.comm import local_experts
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _SHARD = re.compile(r"^(?P<base>.*?)(-shared|-rank-(?P<rank>\d+))?\.pt$")
@@ -61,6 +65,18 @@ def staged_path(final, save_id):
 STAGED = re.compile(r"^(?P<final>.+\.pt)\.(?P<save_id>[0-9a-f]{32})\.staged$")
 # moe-commit-SAVEID[SUFFIX].json: the run's --checkpoint-suffix in the name, so runs of one folder keep apart.
 JOURNAL = re.compile(r"^moe-commit-(?P<save_id>[0-9a-f]{32})(?P<suffix>.*?)\.json(?P<tmp>\.tmp)?$")
+# A journal is a few names: anything larger, or of more ranks than any run has, is not one of ours.
+MAX_JOURNAL_BYTES = 1 << 20
+MAX_WORLD_SIZE = 1 << 16
+_warned = set()  # (path, mtime) of the journals refused so far in this process: one warning each
+
+
+def run_names(suffix):
+    """The file names of one run's checkpoints (checkpoint3, checkpoint_2_400, checkpoint_last,
+    checkpoint_best, checkpoint.best_loss_3.2101 as fairseq names them; with --checkpoint-suffix), as sets,
+    files or temporaries: group 1 is the name without the suffix."""
+    return re.compile(r"^checkpoint(\d+|_\d+_\d+|_last|_best|\.best_\w+?_\d+\.?\d*)" + re.escape(suffix or "")
+                      + r"(-shared|-rank-\d+)?\.pt(?P<tmp>\.tmp|\.[0-9a-f]{32}\.staged)?$")
 
 
 def journal_path(folder, save_id, suffix=""):
@@ -69,33 +85,120 @@ def journal_path(folder, save_id, suffix=""):
 
 def journals(folder, suffix=None):
     """[(path, journal)] of the committed saves whose switch has not finished in folder (oldest first), of
-    one --checkpoint-suffix (None: of any). A file named like a journal that does not read as one is
-    skipped (recover names it)."""
+    one --checkpoint-suffix (None: of any), each proven to be a save of that run in this folder
+    (journal_problem). Any other file named like a journal is left alone, with one warning naming it."""
     out = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         m = JOURNAL.match(name)
         if m and not m.group("tmp") and suffix in (None, m.group("suffix")):
             path = os.path.join(folder, name)
-            journal = read_journal(path)
-            with contextlib.suppress(OSError):  # (gone meanwhile: its switch has finished)
-                if journal is not None and journal["save_id"] == m.group("save_id"):
-                    out.append((os.path.getmtime(path), path, journal))
+            journal, why = read_journal(path)
+            if journal is not None:
+                why = journal_problem(folder, journal, m.group("save_id"), m.group("suffix"))
+            if why is None:
+                out.append((journal["mtime"], path, journal))
+            elif why is not _GONE:
+                _warn_once(path, why)
     return [(path, journal) for _, path, journal in sorted(out)]
 
 
-def read_journal(path):
-    """The journal at path ({"save_id", "world_size", "commit": [NAME], "retire": [NAME]}), or None when
-    it is gone or not one (written whole by a rename, so never half)."""
+_GONE = "gone"  # (a journal removed while we looked: its switch has finished)
+
+
+def _warn_once(path, why):
+    with contextlib.suppress(OSError):
+        key = (path, os.lstat(path).st_mtime_ns)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning(f"{path}: not acted on, left as it is: {why}")
+
+
+def _regular(path):
+    """os.lstat(path) when path is a regular file (not a link, a FIFO, a device), else None."""
     try:
-        with open(path, encoding="utf-8") as f:
-            journal = json.load(f)
-    except (OSError, ValueError):
+        st = os.lstat(path)
+    except OSError:
         return None
-    ok = (isinstance(journal, dict) and isinstance(journal.get("save_id"), str)
-          and isinstance(journal.get("world_size"), int) and journal["world_size"] >= 1
-          and all(isinstance(journal.get(k), list) and all(isinstance(n, str) and os.sep not in n and n
-                                                           for n in journal[k]) for k in ("commit", "retire")))
-    return journal if ok else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def read_journal(path):
+    """(journal, None) for the journal at path ({"save_id", "world_size", "commit": [NAME], "retire": [NAME]},
+    with "mtime" added), or (None, why it is not one). Only a regular file of at most MAX_JOURNAL_BYTES is
+    opened (never a link, FIFO or device); a save writes it whole by a rename, so never half."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None, _GONE
+    except OSError as e:
+        return None, f"cannot be opened ({'a symbolic link' if os.path.islink(path) else e.strerror or e})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        if st.st_size > MAX_JOURNAL_BYTES:
+            return None, f"{st.st_size} bytes, more than a journal's {MAX_JOURNAL_BYTES}"
+        data = f.read(MAX_JOURNAL_BYTES + 1)
+    try:
+        journal = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        return None, f"not JSON ({type(e).__name__})"
+    W = journal.get("world_size") if isinstance(journal, dict) else None
+    if not (isinstance(journal, dict) and isinstance(journal.get("save_id"), str)
+            and type(W) is int and 1 <= W <= MAX_WORLD_SIZE
+            and all(isinstance(journal.get(k), list) and all(isinstance(n, str) for n in journal[k])
+                    for k in ("commit", "retire"))):
+        return None, (f"not a journal: it needs save_id, world_size (1..{MAX_WORLD_SIZE}), commit and retire "
+                      f"(lists of names)")
+    return dict(journal, mtime=st.st_mtime), None
+
+
+def journal_problem(folder, journal, save_id, suffix):
+    """None when the journal is provably a committed save of the run with this --checkpoint-suffix in folder,
+    else why not. Checked before anything is renamed or removed: its id is its file name's; it commits at least
+    one set and retires others, every one named by the run's rules (run_names); its world size agrees with the
+    files: each committed set's shared and rank 0..W-1 files are on disk, each staged by this save as a regular
+    file or already renamed (its manifest carries this save's id); no file staged by this save lies outside
+    it."""
+    commit, retire, W = journal["commit"], journal["retire"], journal["world_size"]
+    if journal["save_id"] != save_id:
+        return f"its save_id {journal['save_id']!r} is not the one in its name"
+    if not commit:
+        return "it commits no set"
+    names = run_names(suffix)
+    for name in commit + retire:
+        m = names.match(f"{name}-shared.pt")
+        if m is None or m.group("tmp"):
+            return f"{name!r} is not a checkpoint name of this run (--checkpoint-suffix {suffix!r})"
+    if set(commit) & set(retire):
+        return f"it both commits and retires {sorted(set(commit) & set(retire))[0]}"
+    ours = {final for name in commit + retire for _, final in committed_files(os.path.join(folder, name), journal)}
+    for name in os.listdir(folder):
+        m = STAGED.match(name)
+        if m and m.group("save_id") == save_id and os.path.join(folder, m.group("final")) not in ours:
+            return f"{name} was staged by this save but is not one of the {W} ranks' files it commits"
+    for name in commit:
+        for staged, final in committed_files(os.path.join(folder, name), journal):
+            if os.path.lexists(staged):
+                if _regular(staged) is None:
+                    return f"{staged} is not a regular file (a link?)"
+            elif not os.path.lexists(final):
+                return f"{final} is missing (neither staged by this save nor renamed)"
+            elif _saved_by(final) != save_id:
+                return f"{final} is not this save's (and nothing of this save is staged for it)"
+    return None
+
+
+def _saved_by(path):
+    """The save id in the manifest of the checkpoint file path, or None (missing, unreadable, a link)."""
+    if _regular(path) is None:
+        return None
+    try:
+        state = read_file(path, mmap=True)
+    except CheckpointError:
+        return None
+    info = (state.get("moe_shard") or manifest_of(state)) if isinstance(state, dict) else None
+    return info.get("save_id") if isinstance(info, dict) else None
 
 
 def committed_files(base, journal):
@@ -114,10 +217,12 @@ def finish_renames(base):
         if os.path.basename(base) not in journal["commit"]:
             continue
         for staged, final in committed_files(base, journal):
+            if _regular(staged) is None:
+                continue  # renamed already (or by someone else just now)
             try:
                 os.replace(staged, final)
             except FileNotFoundError:
-                pass  # renamed already (or by someone else just now)
+                pass  # (renamed by someone else just now)
             except OSError as e:
                 raise CheckpointError(f"{path}: the save it commits is complete on disk, but {staged} cannot be "
                                       f"renamed to {os.path.basename(final)} ({e.strerror or e}); resume the run "

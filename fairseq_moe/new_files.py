@@ -18,6 +18,18 @@ def one_line(e):
     return re.sub(r"\s*[\r\n]+\s*", " ", msg).strip()
 
 
+def os_error_in(e):
+    """The OSError e is, or that torch's zip writer met while it wrote (a full disk, a file-size limit: torch
+    raises RuntimeError "unexpected pos" with the OSError only in __context__); else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _publish(tmp, path):
     """Give the written file tmp the name path, unless something has that name (a dangling link too)."""
     exists = FileExistsError(f"{path} appeared while this command was writing (nothing is overwritten)")
@@ -63,7 +75,8 @@ class Writer:
             tmp = os.path.join(self.staging, os.path.basename(path))
             st = write_exclusive(obj, tmp, dump)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-            raise OSError(f"{path}: cannot write it ({type(e).__name__}: {e})") from e
+            cause = os_error_in(e) or e
+            raise OSError(f"{path}: cannot write it ({type(cause).__name__}: {one_line(cause)})") from e
         _publish(tmp, path)
         self.published.append((path, (st.st_dev, st.st_ino)))
 

@@ -327,7 +327,8 @@ def test_a_reader_renaming_during_the_switch_does_not_fail_the_save(tmp_path):
 
 def test_recover_leaves_a_committed_save_whose_file_is_gone_and_what_it_retires(tmp_path, caplog):
     """A committed save one of whose staged files is gone (removed by hand): its set cannot be completed, so
-    the sets it retires stay for the resume to fall back to, and so does the journal."""
+    nothing is renamed or removed: the sets it retires stay for the resume to fall back to, and so do the
+    journal and the staged files of its save."""
     sid = "3" * 32
     for name in ("checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt", f"checkpoint_1_4-shared.pt.{sid}.staged"):
         (tmp_path / name).write_bytes(b"x")
@@ -335,8 +336,9 @@ def test_recover_leaves_a_committed_save_whose_file_is_gone_and_what_it_retires(
     caplog.set_level("WARNING")
     commit.recover(str(tmp_path), "")
     assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint_1_2-shared.pt", "checkpoint_1_2-rank-0.pt",
-                                                   "checkpoint_1_4-shared.pt", f"moe-commit-{sid}.json"])
-    assert "checkpoint_1_4-rank-0.pt is not in place" in caplog.text
+                                                   f"checkpoint_1_4-shared.pt.{sid}.staged", f"moe-commit-{sid}.json"])
+    assert f"moe-commit-{sid}.json: not acted on, left as it is: " in caplog.text
+    assert "checkpoint_1_4-rank-0.pt is missing (neither staged by this save nor renamed)" in caplog.text
 
 
 def test_set_names_for_fairseqs_model_loader(tmp_path):

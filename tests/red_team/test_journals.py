@@ -1,0 +1,177 @@
+"""Journals a save did not write: each row is a file named like moe-commit-SAVEID.json, crafted or copied from
+another run, in a folder that holds a complete 2-rank set checkpoint_last and other files. Neither recover() (a
+resume, a save) nor a reader (fairseq-generate, reshard: expert_checkpoint.resolve) may act on it: nothing is
+renamed or removed, nothing blocks or runs out of memory, and there is one warning naming the journal. The last
+rows are the control: a journal of a save stopped in its switch is still finished."""
+import hashlib
+import json
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from fairseq_moe import commit
+from fairseq_moe import expert_checkpoint as shards
+
+W, E = 2, 2
+OURS, THEIRS, NEW = "a" * 32, "b" * 32, "c" * 32  # the save on disk; another run's; a stopped save of this run
+
+
+def write_set(folder, name, save_id, staged=False, world_size=W):
+    """A real set NAME of world_size ranks as a save with save_id writes it (under staged names if asked)."""
+    info = shards.manifest(4, save_id, world_size, {"l.experts.w1": E}, {}, world_size)
+    state = {"model": {"shared.w": torch.ones(2), "l.experts.w1": torch.zeros(E, 3)},
+             "extra_state": {"moe_checkpoint": info}, "optimizer_history": [{"num_updates": 4}]}
+    for rank in range(world_size):
+        first, count = (rank * E) // world_size, E // world_size
+        part = dict(state, model=dict(state["model"], **{"l.experts.w1": torch.zeros(E, 3)[first:first + count]}))
+        shared, mine = shards.split(part, {"l.experts.w1": (first, count)}, rank, info)
+        base = os.path.join(folder, name)
+        for obj, final in ((mine, shards.rank_path(base, rank)), (shared, shards.shared_path(base))):
+            if final.endswith("-shared.pt") and rank:
+                continue
+            torch.save(obj, shards.staged_path(final, save_id) if staged else final)
+
+
+def snapshot(folder):
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            out[name] = os.readlink(path) if os.path.islink(path) else "special"
+        else:
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def journal(**fields):
+    return json.dumps(dict({"save_id": THEIRS, "world_size": W, "commit": ["checkpoint_last"], "retire": []},
+                           **fields))
+
+
+def plain(text):
+    return lambda path: open(path, "w").write(text)
+
+
+def fifo(path):
+    os.mkfifo(path)
+
+
+def link_to(target):
+    return lambda path: os.symlink(target, path)
+
+
+def staged_link(path):
+    """A journal that commits checkpoint_last in a save whose staged shared file is a link to another file."""
+    folder = os.path.dirname(path)
+    os.symlink(os.path.join(folder, "precious-shared.pt"),
+               shards.staged_path(os.path.join(folder, "checkpoint_last-shared.pt"), THEIRS))
+    plain(journal())(path)
+
+
+def beyond_world(path):
+    """world_size 1, but this save staged a rank-1 file too."""
+    folder = os.path.dirname(path)
+    write_set(folder, "checkpoint_1_8", THEIRS, staged=True)
+    plain(journal(commit=["checkpoint_1_8"], world_size=1))(path)
+
+
+# (case, how the journal is made, what its warning says)
+CRAFTED = [
+    ("retires another name", plain(journal(retire=["precious"])), "'precious' is not a checkpoint name of this run"),
+    ("retires checkpoint_last, commits nothing", plain(journal(commit=[], retire=["checkpoint_last"])),
+     "it commits no set"),
+    ("copied from another run, retires checkpoint_last", plain(journal(commit=["checkpoint_1_2"],
+                                                                       retire=["checkpoint_last"])),
+     "checkpoint_1_2-shared.pt is missing"),
+    ("world_size 1 over a 2-rank set", plain(journal(world_size=1)), "checkpoint_last-shared.pt is not this save's"),
+    ("world_size 1 with a rank-1 file staged", beyond_world, "was staged by this save but is not one of the 1 ranks'"),
+    ("world_size 10**9", plain(journal(world_size=10 ** 9)), "world_size (1..65536)"),
+    ("world_size true", plain(journal(world_size=True)), "world_size (1..65536)"),
+    ("commits and retires one name", plain(journal(retire=["checkpoint_last"])), "both commits and retires"),
+    ("a name with a folder", plain(journal(commit=["../checkpoint_last"])), "is not a checkpoint name of this run"),
+    ("another suffix's name", plain(journal(commit=["checkpoint_last-x"])), "is not a checkpoint name of this run"),
+    ("save_id not its name's", plain(journal(save_id=OURS)), "is not the one in its name"),
+    ("a staged file that is a link", staged_link, "is not a regular file (a link?)"),
+    ("a FIFO", fifo, "not a regular file"),
+    ("a link to the zero device", link_to("/dev/zero"), "a symbolic link"),
+    ("a link to a real journal", link_to("elsewhere.json"), "a symbolic link"),
+    ("deeply nested JSON", plain("[" * 200000), "not JSON (RecursionError)"),
+    ("2 MB of JSON", plain(json.dumps({"pad": "x" * (2 << 20)})), "more than a journal's"),
+    ("not UTF-8", lambda path: open(path, "wb").write(b"\xff\xfe{}"), "not JSON"),
+    ("a list", plain("[]"), "not a journal"),
+    ("names that are no strings", plain(journal(commit=[1])), "not a journal"),
+]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    write_set(str(tmp_path), "checkpoint_last", OURS)
+    write_set(str(tmp_path), "precious", OURS)
+    (tmp_path / "elsewhere.json").write_text(journal())
+    return tmp_path
+
+
+def within(seconds, fn):
+    """fn() in a thread that must end within seconds (a FIFO would block it for ever)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} still running after {seconds} s"
+    return out[0]
+
+
+@pytest.mark.parametrize("case, make, why", CRAFTED, ids=[c[0] for c in CRAFTED])
+def test_a_journal_this_run_did_not_write_is_left_alone(folder, caplog, case, make, why):
+    path = shards.journal_path(str(folder), THEIRS)
+    make(path)
+    before = snapshot(folder)
+    caplog.set_level(logging.WARNING)
+    getattr(shards, "_warned", set()).clear()  # (each case warns afresh)
+    within(20, lambda: commit.recover(str(folder), ""))  # a resume, or before a save
+    within(20, lambda: shards.resolve(str(folder / "checkpoint_last.pt")))  # a reader
+    within(20, lambda: commit.recover(str(folder), ""))
+    assert snapshot(folder) == before
+    shards.check_set(str(folder / "checkpoint_last"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{path}: not acted on, left as it is: "), warnings
+    assert why in warnings[0], warnings
+
+
+def test_a_journal_of_this_run_stopped_before_its_renames_is_finished(folder, caplog):
+    """The control: this run's save of checkpoint_last, stopped at its commit (staged files and the journal
+    on disk, retiring checkpoint_1_2): recover() switches it; so does a reader, for the set it opens."""
+    write_set(str(folder), "checkpoint_last", NEW, staged=True)
+    write_set(str(folder), "checkpoint_1_2", OURS)
+    commit.write_journal(str(folder), NEW, "", W, ["checkpoint_last"], ["checkpoint_1_2"])
+    reader = folder / "copy"
+    os.mkdir(reader)
+    for name in os.listdir(folder):
+        if os.path.isfile(folder / name):
+            os.link(folder / name, reader / name)
+    caplog.set_level(logging.WARNING)
+    assert shards.resolve(str(reader / "checkpoint_last.pt"))[:2] == ("set", str(reader / "checkpoint_last"))
+    assert not [n for n in os.listdir(reader) if n.endswith(".staged")]
+    commit.recover(str(folder), "")
+    assert not [n for n in os.listdir(folder) if n.endswith(".staged") or n.startswith("moe-commit-")]
+    assert not shards.set_files(str(folder / "checkpoint_1_2"))
+    for where in (folder, reader):
+        assert shards.manifest_of(torch.load(where / "checkpoint_last-shared.pt", weights_only=True))["save_id"] == NEW
+        shards.check_set(str(where / "checkpoint_last"))
+    assert not caplog.records
+
+
+def test_a_journal_stopped_in_its_deletions_is_finished(folder):
+    """The control: every committed file renamed already (each carries the save's id), a retired set half
+    deleted: recover() finishes the deletions and removes the journal."""
+    write_set(str(folder), "checkpoint_1_2", OURS)
+    os.remove(folder / "checkpoint_1_2-rank-0.pt")
+    commit.write_journal(str(folder), OURS, "", W, ["checkpoint_last"], ["checkpoint_1_2"])
+    commit.recover(str(folder), "")
+    assert sorted(os.listdir(folder)) == sorted(["checkpoint_last-shared.pt", "checkpoint_last-rank-0.pt",
+                                                 "checkpoint_last-rank-1.pt", "precious-shared.pt",
+                                                 "precious-rank-0.pt", "precious-rank-1.pt", "elsewhere.json"])
