@@ -5,7 +5,13 @@ resumes on one process, and loads at any world size). Same as reshard with --wor
 """
 import sys
 
-from .reshard import main
+from . import reshard
+from .command import PROG
+
+
+def main(argv=None):
+    return reshard.main(argv, prog=PROG.format("consolidate"), world_size=1)
+
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m fairseq_moe.consolidate", world_size=1))
+    sys.exit(main())

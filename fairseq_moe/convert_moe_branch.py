@@ -23,7 +23,6 @@ the key: BASE layers, dense "pseudo-MoE" layers of another width, FSDP-sharded f
 translation, translation_multi_simple_epoch (NLLB's: it becomes moe_translation_multi_simple_epoch) and language
 modelling. Never overwrites; writes OUT whole or not at all.
 """
-import argparse
 import math
 import os
 import re
@@ -36,7 +35,7 @@ from . import safe_eval
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.routing import TopK
 from .new_files import refuse_existing, write_new
-from .reshard import run_tool
+from .command import PROG, parser, run, safe_globals
 from .upcycle import moe_checkpoint, section
 
 _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."
@@ -282,13 +281,14 @@ def convert(prefix, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.convert_moe_branch", description=__doc__.split("\n\n")[0])
+    p = parser(PROG.format("convert_moe_branch"), __doc__)
     p.add_argument("prefix", help="IN_PREFIX: the set NAME (NAME-shared.pt + NAME-rank-R.pt), or one of its files")
     p.add_argument("output", help="OUT.pt (never overwritten)")
     a = p.parse_args(argv)
-    return run_tool(p.prog, lambda: convert(a.prefix, a.output),
-                    lambda done: f"{a.output}: {len(done)} MoE layers of {next(iter(done.values()))} experts; no "
-                                 f"optimizer state (continue training with --finetune-from-model {a.output})")
+    return run(p.prog, lambda: convert(a.prefix, a.output),
+               lambda done: f"{a.output}: {len(done)} MoE layers of {next(iter(done.values()))} experts; no "
+                            f"optimizer state (continue training with --finetune-from-model {a.output})",
+               setup=safe_globals)
 
 
 if __name__ == "__main__":

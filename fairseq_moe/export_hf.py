@@ -17,7 +17,6 @@ capacity, the second expert's sampling, router noise, expert output masking, dro
 when the export is done: transformers' NllbMoe trains its own way. transformers is an optional dependency (pip
 install 'fairseq-moe[hf]'); nothing else here needs it.
 """
-import argparse
 import json
 import os
 import re
@@ -25,8 +24,8 @@ import sys
 from argparse import Namespace
 
 from .errors import CheckpointError, FlagError
-from .new_files import refuse_existing
-from .reshard import read_any, run_tool
+from .new_files import one_line, refuse_existing
+from .command import PROG, parser, read_any, run, safe_globals
 
 _MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
 _RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".encoder_attn.", ".cross_attention."),
@@ -180,6 +179,7 @@ def vocabulary(state, path, data):
     """[symbol of each id] of the checkpoint's task's source dictionary (its language tokens included)."""
     from fairseq import tasks
 
+    from .inspect import check_data
     from .upcycle import section
 
     task_cfg = section(state["cfg"], "task", path)
@@ -187,13 +187,18 @@ def vocabulary(state, path, data):
     if not folder or not os.path.isdir(str(folder).split(os.pathsep)[0]):
         raise FlagError(f"the dictionary is read from the task's data folder ({folder!r} is not one): give "
                         f"--data DATA")
+    check_data(state, path, str(folder).split(os.pathsep)[0])  # (its dictionaries, by name)
     task_cfg["data"] = folder
     cfg = Namespace(**task_cfg) if isinstance(state["cfg"]["task"], Namespace) else task_cfg
     if isinstance(cfg, dict):
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.create(cfg)
-    task = tasks.setup_task(cfg)
+    try:
+        task = tasks.setup_task(cfg)
+    except Exception as e:  # (the task reads nothing but DATA here: whatever stops it is about --data)
+        raise FlagError(f"--data {folder}: the checkpoint's task cannot read its dictionaries "
+                        f"({type(e).__name__}: {one_line(e)})") from e
     d = task.source_dictionary
     if task.target_dictionary is not None and task.target_dictionary.symbols != d.symbols:
         raise FlagError(f"{path}: the source and target dictionaries differ: NllbMoe shares one")
@@ -240,7 +245,7 @@ def export(ckpt, out_dir, data=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.export_hf", description=__doc__.split("\n\n")[0])
+    p = parser(PROG.format("export_hf"), __doc__)
     p.add_argument("checkpoint", help="CKPT: a moe_transformer checkpoint (a single file, or NAME.pt of a set)")
     p.add_argument("output", help="OUT_DIR (new): config.json, model.safetensors, vocab.json")
     p.add_argument("--data", help="the data folder whose dictionary the model was trained with (default: the "
@@ -253,7 +258,7 @@ def main(argv=None):
         lines += [f"  in training only, NllbMoe differs: {line}" for line in training]
         return "\n".join(lines)
 
-    return run_tool(p.prog, lambda: export(a.checkpoint, a.output, a.data), report)  # (bad input: one line)
+    return run(p.prog, lambda: export(a.checkpoint, a.output, a.data), report, setup=safe_globals)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,16 @@ and DIR/expert_use_by_pair.png (a heat map per layer: do the experts specialise?
 """
 import argparse
 import contextlib
+import json
+import os
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
-from .errors import FlagError
+from .command import PROG, config_file, parser, plugin, read_text, run
+from .errors import CheckpointError, FlagError
 from .new_files import refuse_existing, write_new
 
 
@@ -42,11 +45,10 @@ def load(checkpoint, data, overrides=None):
 
     from . import expert_checkpoint as shards
 
-    found = shards.locate(str(checkpoint))
-    if found is None:
-        raise FlagError(f"{checkpoint}: no such checkpoint (nor the set {shards.set_base(str(checkpoint))}-shared.pt)")
-    path = shards.shared_path(found[1]) if found[0] == "set" else found[1]  # (fairseq checks that the file exists)
-    check_data(path, data)
+    path = config_file(checkpoint)  # (fairseq checks that the file exists)
+    state = shards.read_file(path, mmap=True)
+    check_task_json(state, path)
+    check_data(state, path, data)
     try:
         (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
             [path], arg_overrides=dict(overrides or {}, data=data))
@@ -58,30 +60,91 @@ def load(checkpoint, data, overrides=None):
     return model.eval(), task
 
 
-def check_data(path, data):
-    """--data holds the dictionaries the checkpoint's task reads (dict.SRC.txt and dict.TGT.txt for
-    translation, dict.txt for a language model), or one line says what is missing."""
-    from . import expert_checkpoint as shards
+def task_config(state, path):
+    """The task's settings saved in the checkpoint state read from path, as a dict ({} when there are none)."""
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or not isinstance(cfg or {}, dict):
+        raise CheckpointError(f"{path}: not a fairseq checkpoint (no dict with a cfg)")
+    task = (cfg or {}).get("task") or state.get("args")  # (args: a checkpoint of fairseq < 0.10)
+    if isinstance(task, argparse.Namespace):
+        return vars(task)
+    return dict(task) if isinstance(task, dict) else {}
 
+
+def check_task_json(state, path):
+    """The JSON settings fairseq's translation task parses when it builds the model (with --eval-bleu) are JSON
+    objects, or one line names the file and the field (fairseq would stop on a JSONDecodeError)."""
+    cfg = task_config(state, path)
+    if not cfg.get("eval_bleu"):
+        return
+    for key in ("eval_bleu_args", "eval_bleu_detok_args"):
+        value = cfg.get(key, "{}")
+        try:
+            ok = isinstance(json.loads(value or "{}"), dict)
+        except (TypeError, ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{path}: cfg.task.{key} = {str(value)[:60]!r} is not a JSON object (--"
+                                  f"{key.replace('_', '-')}), which fairseq's task parses to build the model")
+
+
+def check_data(state, path, data):
+    """--data holds the dictionaries the task of the checkpoint (state, read from path) reads (dict.SRC.txt and
+    dict.TGT.txt for translation, dict.txt for a language model), or one line says what is missing."""
     if not Path(data).is_dir():
-        raise FlagError(f"--data {data}: no such folder (the data-bin the checkpoint was trained on)")
-    state = shards.read_file(path, mmap=True)
-    task = (state.get("cfg") or {}).get("task") or state.get("args")  # (args: a checkpoint of fairseq < 0.10)
-    cfg = vars(task) if isinstance(task, argparse.Namespace) else dict(task or {})
+        what = "a file, not a folder" if Path(data).exists() else "no such folder"
+        raise FlagError(f"--data {data}: {what} (the data-bin the checkpoint was trained on)")
+    cfg = task_config(state, path)
     if not cfg:
         return  # (nothing to tell the task by: fairseq's own error, if any)
-    if "source_lang" in cfg:  # translation; without the pair, fairseq infers it from the folder's dictionaries
-        langs = [cfg.get(k) for k in ("source_lang", "target_lang")]
-        pair = "-".join(lang or "?" for lang in langs)
-        missing = ([f"dict.{lang}.txt" for lang in langs if not (Path(data) / f"dict.{lang}.txt").is_file()]
-                   if None not in langs else [] if len(list(Path(data).glob("dict.*.txt"))) >= 2 else
-                   ["dict.SRC.txt and dict.TGT.txt"])
-        kind = f"a translation task ({pair})"
+    if "source_lang" in cfg and cfg.get("lang_pairs"):  # multilingual: a dictionary per language, or shared
+        missing = [] if len(list(Path(data).glob("dict.*.txt"))) >= 2 else ["dict.SRC.txt and dict.TGT.txt"]
+        kind = "a multilingual translation task"
+    elif "source_lang" in cfg:  # translation
+        langs = language_pair(cfg, data)
+        missing = [f"dict.{lang}.txt" for lang in langs if not (Path(data) / f"dict.{lang}.txt").is_file()]
+        kind = f"a translation task ({'-'.join(langs)})"
     else:
         missing, kind = [] if (Path(data) / "dict.txt").is_file() else ["dict.txt"], "a language model"
     if missing:
         raise FlagError(f"--data {data} has no {missing[0]}: the checkpoint is of {kind}; give the data-bin "
                         f"it was trained on")
+
+
+def language_pair(cfg, data):
+    """(source, target) of a bilingual translation task's settings cfg: as saved, or where the checkpoint saved
+    none, as fairseq infers them from DATA (its train.SRC-TGT.* files), or one line saying it cannot."""
+    from fairseq.data.data_utils import infer_language_pair
+
+    langs = (cfg.get("source_lang"), cfg.get("target_lang"))
+    if None in langs:
+        langs = infer_language_pair(str(data).split(os.pathsep)[0])
+    if None in langs:
+        raise FlagError(f"--data {data}: the checkpoint saved no language pair and fairseq infers it from the "
+                        f"data-bin's train.SRC-TGT.* files; there are none: give the data-bin it was trained on")
+    return langs
+
+
+def check_split(task, subset):
+    """--subset is a split of the task's data (of each language pair, for a multilingual task), or one line
+    says which splits there are (fairseq's multilingual task would stop on a KeyError 'main:PAIR')."""
+    args = getattr(task, "args", None) or getattr(task, "cfg", None)
+    folder = Path(str(getattr(args, "data", "")).split(os.pathsep)[0])
+    pairs = getattr(task, "lang_pairs", None) or [None]
+    pairs = pairs.split(",") if isinstance(pairs, str) else pairs
+
+    def held(pair):
+        if pair is None:  # bilingual translation or a language model: any file of the split
+            return any(folder.glob(f"{subset}.*"))
+        src, tgt = pair.split("-")
+        return any((folder / f"{subset}.{a}-{b}.{src}.idx").is_file() for a, b in ((src, tgt), (tgt, src)))
+
+    missing = [pair for pair in pairs if not held(pair)]
+    if missing:
+        splits = sorted({f.name.split(".")[0] for f in folder.glob("*.idx")})
+        of = f" of {missing[0]}" if missing[0] else ""
+        raise FlagError(f"--subset {subset}: {folder} has no {subset} split{of} (its splits: "
+                        f"{', '.join(splits) or 'none'})")
 
 
 def moe_layers(model, which=None):
@@ -147,6 +210,7 @@ def routed_weight(model, task, subset, max_tokens):
     from fairseq import utils
 
     layers = moe_layers(model)
+    check_split(task, subset)
     task.load_dataset(subset, combine=False, epoch=1)
     dataset = task.dataset(subset)
     itr = task.get_batch_iterator(
@@ -175,11 +239,8 @@ def language_pairs(checkpoint):
     """The language pairs of a checkpoint's multilingual task (translation_multi_simple_epoch), else None."""
     from . import expert_checkpoint as shards
 
-    found = shards.locate(str(checkpoint))
-    if found is None:
-        raise FlagError(f"{checkpoint}: no such checkpoint (nor the set {shards.set_base(str(checkpoint))}-shared.pt)")
-    state = shards.read_file(shards.shared_path(found[1]) if found[0] == "set" else found[1], mmap=True)
-    pairs = getattr((state.get("cfg") or {}).get("task"), "lang_pairs", None)
+    path = config_file(checkpoint)
+    pairs = task_config(shards.read_file(path, mmap=True), path).get("lang_pairs")
     return pairs.split(",") if isinstance(pairs, str) else list(pairs) if pairs else None
 
 
@@ -255,6 +316,15 @@ def heatmap(png, name, rows, dictionary, num_experts, save):
 
 def inspect(checkpoint, data, input_file, out_dir, target_file=None, layer=None, spm_model=None, show=5, top=8):
     """Write routing.txt and the heat maps; returns {layer name: {expert: Counter of token strings}}."""
+    lines = read_text(input_file, "--input")
+    targets = read_text(target_file, "--target") if target_file else None
+    if targets is not None and len(targets) != len(lines):
+        raise FlagError(f"--target {target_file} has {len(targets)} lines, --input {input_file} {len(lines)}")
+    if not lines:
+        raise FlagError(f"--input {input_file} is empty")
+    if spm_model and not Path(spm_model).is_file():
+        raise FlagError(f"--spm {spm_model}: " + ("a folder, not a file" if Path(spm_model).is_dir() else
+                                                 "no such file"))
     model, task = load(checkpoint, data)
     layers = moe_layers(model, layer)
     spm = None
@@ -263,12 +333,6 @@ def inspect(checkpoint, data, input_file, out_dir, target_file=None, layer=None,
 
         spm = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
     src_dict = getattr(task, "source_dictionary", None) or task.target_dictionary
-    lines = Path(input_file).read_text(encoding="utf-8").splitlines()
-    targets = Path(target_file).read_text(encoding="utf-8").splitlines() if target_file else None
-    if targets is not None and len(targets) != len(lines):
-        raise FlagError(f"--target {target_file} has {len(targets)} lines, --input {input_file} {len(lines)}")
-    if not lines:
-        raise FlagError(f"--input {input_file} is empty")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlagError(f"--out {out_dir} is a file, not a folder (nothing is overwritten)")
@@ -337,7 +401,7 @@ def by_pair(checkpoint, data, out_dir, pairs=None, subset="test"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.inspect", description=__doc__.split("\n\n")[0])
+    p = parser(PROG.format("inspect"), __doc__)
     p.add_argument("checkpoint", help="NAME.pt of a checkpoint (a single file or a set)")
     p.add_argument("--data", required=True, help="the data-bin the model was trained on (its dictionaries)")
     p.add_argument("--input", help="sentences, one per line (source side for translation); not with "
@@ -361,24 +425,15 @@ def main(argv=None):
         p.error(f"{given[0]} goes with --input, not with --by-lang-pair")
     if not a.by_lang_pair and (a.lang_pairs or a.subset != "test"):
         p.error("--lang-pairs and --subset go with --by-lang-pair")
-    import fairseq  # noqa: F401  (imported first: then importing the plugin registers it with fairseq)
 
-    from . import load_plugin
-    from .cli import one_line_errors
+    def work():  # -> the files written
+        if a.by_lang_pair:
+            by_pair(a.checkpoint, a.data, a.out, a.lang_pairs, a.subset)
+            return [Path(a.out) / "expert_use_by_pair.txt", Path(a.out) / "expert_use_by_pair.png"]
+        inspect(a.checkpoint, a.data, a.input, a.out, a.target, a.layer, a.spm, a.show)
+        return sorted(Path(a.out).iterdir())
 
-    load_plugin()
-    if a.by_lang_pair:
-        one_line_errors(by_pair)(a.checkpoint, a.data, a.out, a.lang_pairs, a.subset)
-        for path in (Path(a.out) / "expert_use_by_pair.txt", Path(a.out) / "expert_use_by_pair.png"):
-            print(path)
-        return 0
-    for flag, path in (("--input", a.input), ("--target", a.target), ("--spm", a.spm)):
-        if path is not None and not Path(path).is_file():
-            p.error(f"{flag} {path}: no such file")
-    one_line_errors(inspect)(a.checkpoint, a.data, a.input, a.out, a.target, a.layer, a.spm, a.show)
-    for path in sorted(Path(a.out).iterdir()):
-        print(path)
-    return 0
+    return run(p.prog, work, lambda paths: "\n".join(map(str, paths)), setup=plugin)
 
 
 if __name__ == "__main__":

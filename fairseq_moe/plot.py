@@ -15,13 +15,14 @@ teed), and writes into OUT_DIR:
 By default the statistics file is the one *.jsonl in RUN_DIR and the log RUN_DIR/train.log (or the one
 *.log). A picture whose data the run did not log is skipped, with a line saying so.
 """
-import argparse
 import json
 import math
 import re
 import sys
 from pathlib import Path
 
+from .command import PROG, InputError, parser, run
+from .errors import FlagError
 from .new_files import refuse_existing, write_new
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -39,20 +40,22 @@ def read_stats(path):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not a statistics line ({e})") from None
+                raise InputError(f"{where}: not a statistics line ({e})") from None
+            except RecursionError:
+                raise InputError(f"{where}: not a statistics line (JSON nested too deeply)") from None
             if not isinstance(r, dict) or "update" not in r or "layers" not in r:
-                raise ValueError(f"{where}: not a --moe-stats-file line (no 'update' and 'layers')")
+                raise InputError(f"{where}: not a --moe-stats-file line (no 'update' and 'layers')")
             if not _is_number(r["update"]) or not isinstance(r["layers"], dict) or not isinstance(
                     r.get("dropped", {}), dict):
-                raise ValueError(f"{where}: 'update' is no number, or 'layers'/'dropped' is no mapping")
+                raise InputError(f"{where}: 'update' is no number, or 'layers'/'dropped' is no mapping")
             for name, shares in r["layers"].items():
                 if not isinstance(shares, list) or not shares or not all(_is_number(x) for x in shares):
-                    raise ValueError(f"{where}: layer {name}: the shares are not a list of numbers")
+                    raise InputError(f"{where}: layer {name}: the shares are not a list of numbers")
                 if experts.setdefault(name, len(shares)) != len(shares):
-                    raise ValueError(f"{where}: layer {name} has {len(shares)} experts here, {experts[name]} "
+                    raise InputError(f"{where}: layer {name} has {len(shares)} experts here, {experts[name]} "
                                      f"on earlier lines (two runs' statistics in one file?)")
             if not all(_is_number(v) for v in r.get("dropped", {}).values()):
-                raise ValueError(f"{where}: a 'dropped' value is no number")
+                raise InputError(f"{where}: a 'dropped' value is no number")
             records.append(r)
     return sorted(records, key=lambda r: float(r["update"]))
 
@@ -86,7 +89,7 @@ def read_log(path):
             if body.startswith("{"):  # --log-format json
                 try:
                     data = json.loads(body)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):  # (not a line fairseq logged)
                     continue
                 if not isinstance(data, dict):
                     continue
@@ -245,36 +248,35 @@ def _plot(stats_file, log_file, out_dir, title, save):
 def _one(run_dir, pattern, what, flag):
     found = sorted(run_dir.glob(pattern))
     if len(found) > 1:
-        raise ValueError(f"{run_dir} holds several {what} ({', '.join(p.name for p in found)}): name one with {flag}")
+        raise FlagError(f"{run_dir} holds several {what} ({', '.join(p.name for p in found)}): name one with {flag}")
     return found[0] if found else None
 
 
+def find_inputs(run_dir, stats, log):
+    """(statistics file, training log) of the run: the flags' or those found in RUN_DIR; None where absent."""
+    if not run_dir.is_dir():
+        raise FlagError(f"RUN_DIR {run_dir}: no such folder")
+    stats = stats or _one(run_dir, "*.jsonl", "statistics files", "--stats")
+    log = log or (run_dir / "train.log" if (run_dir / "train.log").exists() else
+                  _one(run_dir, "*.log", "logs", "--log"))
+    for path, flag in ((stats, "--stats"), (log, "--log")):
+        if path is not None and not path.is_file():
+            raise FlagError(f"{flag} {path}: " + ("a folder, not a file" if path.is_dir() else "no such file"))
+    if stats is None and log is None:
+        raise FlagError(f"{run_dir} holds no statistics file (*.jsonl) and no training log (*.log)")
+    return stats, log
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.plot", description=__doc__.split("\n\n")[0])
+    p = parser(PROG.format("plot"), __doc__)
     p.add_argument("run_dir", type=Path, help="the run's folder (its statistics file and training log)")
     p.add_argument("out_dir", type=Path, help="where the PNGs go")
     p.add_argument("--stats", type=Path, help="the --moe-stats-file (default: the one *.jsonl in RUN_DIR)")
     p.add_argument("--log", type=Path, help="the training log (default: RUN_DIR/train.log or the one *.log)")
     p.add_argument("--title", default="", help="added to each picture's title")
     a = p.parse_args(argv)
-    try:
-        if not a.run_dir.is_dir():
-            raise ValueError(f"RUN_DIR {a.run_dir}: no such folder")
-        stats = a.stats or _one(a.run_dir, "*.jsonl", "statistics files", "--stats")
-        log = a.log or (a.run_dir / "train.log" if (a.run_dir / "train.log").exists() else
-                        _one(a.run_dir, "*.log", "logs", "--log"))
-        for path, flag in ((a.stats, "--stats"), (a.log, "--log")):
-            if path is not None and not path.is_file():
-                raise ValueError(f"{flag} {path}: no such file")
-        if stats is None and log is None:
-            raise ValueError(f"{a.run_dir} holds no statistics file (*.jsonl) and no training log (*.log)")
-        drawn = plot_run(stats, log, a.out_dir, a.title)
-    except (ValueError, OSError) as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    for name in drawn:
-        print(a.out_dir / name)
-    return 0
+    return run(p.prog, lambda: plot_run(*find_inputs(a.run_dir, a.stats, a.log), a.out_dir, a.title),
+               lambda drawn: "\n".join(str(a.out_dir / name) for name in drawn))
 
 
 if __name__ == "__main__":

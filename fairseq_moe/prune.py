@@ -22,7 +22,6 @@ the measurement counts the real tokens only, so a few tokens may drop otherwise 
 OUT.pt has no optimizer state and no EMA (fine-tune it with --finetune-from-model); the table of what each layer
 kept is printed. Never overwrites.
 """
-import argparse
 import math
 import sys
 from argparse import Namespace
@@ -33,7 +32,7 @@ import torch
 from . import expert_checkpoint as shards
 from .errors import FlagError
 from .new_files import refuse_existing, write_new
-from .reshard import read_any, run_tool
+from .command import PROG, parser, plugin, read_any, run
 from .upcycle import moe_checkpoint
 
 
@@ -79,7 +78,7 @@ def pruned_state(state, kept, n, made_by, path):
 def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,
           max_tokens=4000):
     """Write OUT.pt; returns (n, E, {layer: (kept ids, share of the routed weight kept)})."""
-    from .inspect import load, moe_layers, routed_weight
+    from .inspect import language_pair, load, moe_layers, routed_weight, task_config
 
     if (keep is None) == (keep_mass is None):
         raise FlagError("give one of --keep F and --keep-mass M")
@@ -103,8 +102,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
     if lang_pairs:
         wanted = lang_pairs.split(",")
         if task_pairs is None:  # a bilingual task: its one pair
-            get = task_cfg.get if isinstance(task_cfg, dict) else lambda k: getattr(task_cfg, k, None)
-            task_pairs = [f"{get('source_lang')}-{get('target_lang')}"]
+            task_pairs = ["-".join(language_pair(task_config(state, ckpt), data))]
             if wanted != task_pairs:
                 raise FlagError(f"--lang-pairs {lang_pairs}: the model's task translates {task_pairs[0]} only")
         else:
@@ -135,7 +133,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.prune", description=__doc__.split("\n\n")[0])
+    p = parser(PROG.format("prune"), __doc__)
     p.add_argument("checkpoint", help="CKPT: a moe_transformer checkpoint (a single file, or NAME.pt of a set)")
     p.add_argument("output", help="OUT.pt (new)")
     p.add_argument("--data", required=True, help="the data-bin to measure expert use on (the model's dictionaries)")
@@ -148,11 +146,6 @@ def main(argv=None):
                                                               "(the world size to spread the pruned model over)")
     p.add_argument("--max-tokens", type=int, default=4000, help="tokens per batch while measuring")
     a = p.parse_args(argv)
-    import fairseq  # noqa: F401  (imported first: then importing the plugin registers it with fairseq)
-
-    from . import load_plugin
-
-    load_plugin()
 
     def report(done):
         n, E, kept = done
@@ -161,8 +154,8 @@ def main(argv=None):
                   for name, (ids, share) in kept.items()]
         return "\n".join(lines)
 
-    return run_tool(p.prog, lambda: prune(a.checkpoint, a.output, a.data, a.lang_pairs, a.subset, a.keep,
-                                          a.keep_mass, a.multiple_of, a.max_tokens), report)
+    return run(p.prog, lambda: prune(a.checkpoint, a.output, a.data, a.lang_pairs, a.subset, a.keep, a.keep_mass,
+                                     a.multiple_of, a.max_tokens), report, setup=plugin)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ MoE model (the same --moe-expert-count, --moe-freq, and the dense model's sizes)
 dictionaries must be the dense model's; a checkpoint of another dictionary or task is refused when loaded.
 OUT is never overwritten and is written whole or not at all.
 """
-import argparse
 import math
 import os
 import re
@@ -34,7 +33,7 @@ from . import safe_eval
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.config import ACTIVATIONS
 from .new_files import refuse_existing, write_new
-from .reshard import run_tool
+from .command import PROG, parser, run, safe_globals
 
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
@@ -200,8 +199,7 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fairseq_moe.upcycle", description=__doc__.split("\n\n")[0],
-                                epilog="See the module's documentation (python -m pydoc fairseq_moe.upcycle).")
+    p = parser(PROG.format("upcycle"), __doc__, epilog="See the module's documentation (python -m pydoc fairseq_moe.upcycle).")
     p.add_argument("dense", help="checkpoint of a fairseq transformer or transformer_lm (DENSE.pt)")
     p.add_argument("output", help="the MoE checkpoint to write (OUT.pt, never overwritten)")
     p.add_argument("--experts", type=int, required=True, metavar="E", help="experts per MoE layer")
@@ -220,10 +218,11 @@ def main(argv=None):
                    help="multiply each weight of each expert copy by 1 + S * N(0, 1) (default 0: exact copies)")
     p.add_argument("--seed", type=int, default=1, help="seed of the router init and the noise")
     a = p.parse_args(argv)
-    return run_tool(p.prog, lambda: upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq,
-                                            a.decoder_moe_freq, a.top_k, a.top1_weight, a.router, a.noise, a.seed),
-                    lambda done: f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no "
-                                 f"optimizer state: continue with fairseq-train ... --finetune-from-model {a.output}")
+    return run(p.prog, lambda: upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq,
+                                       a.decoder_moe_freq, a.top_k, a.top1_weight, a.router, a.noise, a.seed),
+               lambda done: f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no "
+                            f"optimizer state: continue with fairseq-train ... --finetune-from-model {a.output}",
+               setup=safe_globals)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ LAYERS = [
     ("formats", {"errors", "safe_eval", "expert_checkpoint", "commit", "new_files"}, False),
     ("hooks", {"fits", "refusals", "patches", "compat", "cli", "checkpoint", "spread", "optim", "fsdp"}, True),
     ("fairseq's registries", {"models", "criterions", "tasks"}, True),
-    ("tools", {"__init__", "reshard", "consolidate", "upcycle", "convert_moe_branch", "export_hf", "prune",
-               "inspect", "plot", "launch"}, True),
+    ("tools", {"__init__", "command", "reshard", "consolidate", "upcycle", "convert_moe_branch", "export_hf",
+               "prune", "inspect", "plot", "launch"}, True),
 ]
 
 

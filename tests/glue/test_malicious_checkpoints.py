@@ -16,6 +16,7 @@ import ast
 import functools
 import importlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -344,7 +345,7 @@ def test_training_from_it_refuses(state, data_bin, tmp_path, marker, flag):
 def one_error_line(capsys):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert len(lines) == 1 and re.match(r"python -m fairseq_moe\.(reshard|consolidate): error: ", lines[0]), captured.err
     assert captured.out == ""
     return lines[0]
 
@@ -357,7 +358,7 @@ def test_reshard_refuses(state, tmp_path, marker, capsys, world_size):
         rc = reshard_main([bad, str(out / "one.pt")], prog="python -m fairseq_moe.consolidate", world_size=1)
     else:
         rc = reshard_main([bad, str(out / "set.pt"), "--world-size", str(world_size)])
-    assert rc == 1
+    assert rc == 2
     line = one_error_line(capsys)
     assert bad in line and f"cfg.model.{FIELD}" in line, line
     assert not out.exists()  # nothing written
@@ -461,7 +462,7 @@ def test_pickle_refused_by_restore_file(data_bin, tmp_path, marker, force_no_wei
 
 def test_pickle_refused_by_reshard(tmp_path, marker, capsys, force_no_weights_only):
     evil = save_evil_pickle(tmp_path / "evil.pt", marker)
-    assert reshard_main([evil, str(tmp_path / "out" / "set.pt"), "--world-size", "2"]) == 1
+    assert reshard_main([evil, str(tmp_path / "out" / "set.pt"), "--world-size", "2"]) == 2
     assert evil in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
     assert not marker.exists()
