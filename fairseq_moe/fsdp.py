@@ -7,7 +7,8 @@ others out; fairseq's Trainer sees a data-parallel run that is not fairscale's: 
 - each layer of `encoder.layers` / `decoder.layers` with at least --min-params-to-wrap dense parameters is its own
   unit (its parameters gathered for its forward and backward only; --no-reshard-after-forward keeps them from the
   forward to the backward), the rest of the model one unit around them, kept gathered from its forward to its
-  backward; a beam search (--eval-bleu) runs with every unit gathered (`gathered`);
+  backward; a beam search (--eval-bleu) runs with every unit gathered (`gathered`), and so do the empty MoE
+  calls by which a rank that is done serves the others' (lockstep);
 - every dense parameter (embeddings, attention, norms, routers, shared experts) is a DTensor holding 1/W of its rows,
   its gradient is reduce-scattered (averaged, as data parallelism's all-reduce does) and its optimizer state is
   created from the shard, so parameters, gradients and optimizer state take about 1/W each;
@@ -28,6 +29,8 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fairseq_moe_layer import lockstep
 
 from .errors import FlagError
 from .optim import is_expert
@@ -152,8 +155,11 @@ def gathered(model):
     """Every unit of a sharded model gathered for the block, none resharded inside it: a beam search (--eval-bleu)
     calls model.encoder and model.decoder directly (not the outer unit's hooks), takes a different number of steps
     on each rank (a layer's gathering would wait for ranks that are done), and the lockstep of the MoE layers calls
-    them alone. Every rank gathers in the same order before it starts; afterwards each unit is cut again. Nothing
-    for a model not sharded."""
+    them alone. Every rank gathers in the same order before it starts; afterwards each unit is cut again. A rank
+    whose beam search ends first serves the others' MoE calls (lockstep: empty calls of the layers themselves, which
+    are no unit and gather nothing) until every rank is done: it drains before its units are cut, so that its gates
+    and shared experts are the whole tensors of the others' calls, not this rank's rows. Nothing for a model not
+    sharded."""
     if not is_sharded(model):
         yield
         return
@@ -166,9 +172,13 @@ def gathered(model):
     try:
         yield
     finally:
-        for unit in units:
-            unit.set_reshard_after_forward(model._moe_fsdp_reshard if unit is not model else False, recurse=False)
-            unit.reshard()
+        try:
+            lockstep.drain_all(lockstep.of(model))
+        finally:
+            for unit in units:
+                unit.set_reshard_after_forward(model._moe_fsdp_reshard if unit is not model else False,
+                                               recurse=False)
+                unit.reshard()
 
 
 def shard_optimizer_state(optimizer):

@@ -77,19 +77,28 @@ class Lockstep:
             self._serving = False
 
 
-@contextlib.contextmanager
-def lockstep(model):
-    """While inside: the MoE layers of model with spread experts keep the ranks in lockstep (see above); on
-    leaving (also on an error, so that the other ranks are not left waiting) this rank drains."""
+def of(model):
+    """The Locksteps of model's MoE layers with spread experts (one per expert-parallel group), in the order of
+    their first layer: the same on every rank."""
     from .layer import MoELayer
 
     steps = {id(m.ep.lockstep): m.ep.lockstep for m in model.modules() if isinstance(m, MoELayer) and m.ep}
-    for step in steps.values():
+    return list(steps.values())
+
+
+@contextlib.contextmanager
+def lockstep(model):
+    """While inside: the MoE layers of model with spread experts keep the ranks in lockstep (see above); on
+    leaving (also on an error, so that the other ranks are not left waiting) this rank drains. Whoever changes
+    the layers' parameters inside (FSDP's gathering, fsdp.gathered) drains first (drain_all(of(model))): a
+    rank that is done serves the others' calls with the parameters their calls see."""
+    steps = of(model)
+    for step in steps:
         step.on = True
     try:
         yield
     finally:
-        for step in steps.values():
+        for step in steps:
             step.drain()
             step.on = False
 

@@ -4,12 +4,18 @@ with --update-freq W on the same global batches (clipping on; --eval-bleu: tests
 set they save is a plain
 set: it resumes (3 + 3 updates == 6, on the ranks and on one process without the flag), reshards 4 -> 2 ranks and
 continues as the 4 ranks do, consolidates and generates. --memory-efficient-fp16 agrees with legacy_ddp's to fp16's
-precision; a non-pointwise optimizer is one line."""
+precision; a non-pointwise optimizer is one line. --eval-bleu validates as often as asked while the ranks' beam searches
+take different numbers of steps (the rank that is done first serves the other's MoE calls with its units gathered),
+each validation what one process gives."""
+import os
 import re
 import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from fairseq_moe import reshard
 
@@ -102,7 +108,6 @@ def _fp16_state_resumes(rank, W):
     dict holds whole fp32 tensors; loaded into a new optimizer, the dense state is this rank's rows (DTensors) and
     every entry stays fp32 (torch casts to the fp16 parameter's dtype; fairseq's own hack would put back whole
     tensors), and it steps."""
-    from types import SimpleNamespace
 
     from fairseq.optim.adam import FairseqAdam
     from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
@@ -164,3 +169,106 @@ def test_a_sharded_fp16_optimizer_state_resumes_as_fp32_rows():
     from ..moe.test_comm import spawn
 
     spawn(_fp16_state_resumes, 2)
+
+
+# A validation (with its BLEU) after each of 6 updates (one per epoch), each rank its own batches of 8 sentences of the
+# valid set (sorted by length) and each beam search max_len_a 1: as long as its batch's longest source, so that the
+# ranks' searches take different numbers of steps and one rank, done first, serves the other's MoE calls.
+VALIDATING = (*COMMON, "--max-update", "6", "--max-tokens", "1600", "--batch-size-valid", "8", "--no-save",
+              "--eval-bleu", "--eval-bleu-detok", "space",
+              "--eval-bleu-args", '{"beam": 2, "max_len_a": 1, "max_len_b": 1}')
+PER_BATCH = ("wps", "wpb", "bsz")  # (averages over the steps of a validation: one process takes twice as many)
+
+
+def validations(log):
+    """Every validation's metrics in a training log (the loss, the MoE metrics, the BLEU, ...), but PER_BATCH."""
+    found = []
+    for line in log.splitlines():
+        if "| valid on 'valid' subset |" in line:
+            fields = (field.split(" ", 1) for field in line.split("| valid on 'valid' subset | ")[1].split(" | "))
+            found.append({key: value for key, value in fields if key not in PER_BATCH})
+    return found
+
+
+@pytest.mark.slow
+def test_eval_bleu_validates_as_often_as_asked_as_one_process_does(data_bin, tmp_path):
+    """--ddp-backend fully_sharded --eval-bleu on 2 ranks, beam searches of different lengths: all 6 validations run
+    (the rank done first served the other's MoE calls with its gathered parameters, not its rows of the gates: the
+    3rd validation of issue 30 died there), each with the validation loss, the MoE metrics and the BLEU of one process
+    with the same global batch (--update-freq 2)."""
+    sharded = launch(2, tmp_path / "fsdp", *train_argv(data_bin, tmp_path / "fsdp", *VALIDATING, *FSDP))
+    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                          *train_argv(data_bin, tmp_path / "one", *VALIDATING, *CLIP, "--update-freq", "2")],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert one.returncode == 0, tail(one.stderr)
+    fsdp = finish(sharded)
+    assert sharded_line(fsdp.stdout + fsdp.stderr, 2)[2] == 5
+    want = validations(one.stdout + one.stderr)
+    assert len(want) == 6 and {"loss", "moe_balance_loss", "bleu"} <= set(want[0])
+    assert any(float(v["bleu"]) > 0 for v in want)
+    assert validations(fsdp.stdout + fsdp.stderr) == want
+
+
+class _Block(nn.Module):
+    """A layer of a model, FSDP's unit around an MoE layer (which the lockstep calls itself: no unit's hooks)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(moe) for moe in layers)
+        self.cfg = SimpleNamespace(min_params_to_wrap=0)  # (each block its own unit)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _served_while_gathered(rank, W):
+    """Blocks of MoE layers (4 experts spread over the ranks), sharded: a forward of the whole model on every rank,
+    then, every unit gathered (fsdp.gathered), each rank calls the blocks as tests/moe/test_lockstep.py's CALLS say
+    (rank 1: fewer calls; it is done first and serves rank 0's). Every output is what one process holding every
+    expert computes; afterwards each unit is cut again: every dense parameter this rank's rows, a DTensor."""
+    from torch.distributed import group
+
+    from fairseq_moe import fsdp
+    from fairseq_moe.optim import is_expert
+    from fairseq_moe_layer.comm import expert_parallel
+    from fairseq_moe_layer.lockstep import lockstep
+
+    from ..moe.test_lockstep import CALLS, _layers
+
+    full = _Stack(_layers(None, "topk"))
+    model = fsdp.shard(_Stack(_layers(expert_parallel(4), "topk")), group.WORLD, torch.device("cpu"),
+                       SimpleNamespace(no_reshard_after_forward=False, fp32_reduce_scatter=False))
+    dense = [name for name, p in model.named_parameters() if not is_expert(p)]
+    assert dense and all(fsdp.is_dtensor(p) for name, p in model.named_parameters() if name in dense)
+
+    def same(index, T, seed):
+        x = torch.randn(T, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        got, want = (m(x) if index is None else m.layers[index](x) for m in (model, full))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    with torch.no_grad(), lockstep(model):
+        same(None, 4 + rank, rank)  # (the loss's forward: the same calls on every rank)
+        with fsdp.gathered(model):  # (the beam search)
+            for n, (index, T) in enumerate(CALLS[rank]):
+                same(index, T, 10 * rank + n)
+    assert all(fsdp.is_dtensor(p) for name, p in model.named_parameters() if name in dense)
+    with torch.no_grad():
+        same(None, 3, 100 + rank)  # (and the next forward gathers them as ever)
+
+
+@pytest.mark.slow
+def test_a_rank_done_first_serves_the_others_with_its_units_gathered():
+    from ..moe.test_comm import spawn
+
+    spawn(_served_while_gathered, 2)
