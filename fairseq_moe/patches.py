@@ -139,6 +139,12 @@ PATCHES = (
           "lockstep and the perplexity of the whole set", wraps=True),
     Patch("fairseq_cli.eval_lm", "SequenceScorer", "fairseq_moe.spread:spread_eval_lm",
           "on several ranks the tokens each rank scores are counted, to weight its loss", scoped=True),
+    *(Patch(f"fairseq.tasks.{module}:{task}", "eval_lm_dataloader", "fairseq_moe.spread:context_in_order",
+            "with --context-window on several ranks each rank's batches would take their context from its own "
+            "shard (a filler batch is a KeyError): here every rank collates the set in order and keeps its share",
+            wraps=True)
+      for module, task in (("language_modeling", "LanguageModelingTask"),
+                           ("multilingual_language_modeling", "MultilingualLanguageModelingTask"))),
     Patch("fairseq_cli.interactive", "buffered_read", "fairseq_moe.spread:shared_input",
           "on several ranks every rank would read stdin: here rank 0 reads and shares each buffer", wraps=True),
     Patch("fairseq_cli.interactive", "print", "fairseq_moe.spread:rank0_print",

@@ -238,19 +238,41 @@ def spread_eval_lm(eval_lm):
     return wrapped
 
 
+def context_in_order(eval_lm_dataloader):
+    """LanguageModelingTask.eval_lm_dataloader with --context-window on several ranks: each batch's context is the
+    previous batch's last tokens (LMContextWindowDataset keeps them as it collates), which fairseq's shards break
+    (a rank's batches are every W-th; its filler batch, collated empty, is a KeyError). Here every rank collates
+    the whole set in order, as one process does, and keeps every W-th batch (no filler: its layers serve the
+    others once it is done), so each token is scored with one process's context and the perplexity is one
+    process's."""
+    @functools.wraps(eval_lm_dataloader)
+    def wrapped(self, dataset, *args, num_shards=1, shard_id=0, context_window=0, **kwargs):
+        if context_window <= 0 or num_shards <= 1:
+            return eval_lm_dataloader(self, dataset, *args, num_shards=num_shards, shard_id=shard_id,
+                                      context_window=context_window, **kwargs)
+        from fairseq.data.iterators import CountingIterator
+
+        whole = eval_lm_dataloader(self, dataset, *args, num_shards=1, shard_id=0, context_window=context_window,
+                                   **kwargs)
+        mine = (batch for i, batch in enumerate(whole) if i % num_shards == shard_id)
+        return CountingIterator(mine, total=len(range(shard_id, len(whole), num_shards)))
+
+    return wrapped
+
+
 def shared_input(buffered_read):
     """fairseq_cli.interactive.buffered_read on the ranks of a job: rank 0 reads, every rank gets each buffer; the
     model's layers are in lockstep while a buffer is translated, and drained before the next is sent."""
     @functools.wraps(buffered_read)
     def wrapped(input, buffer_size):
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            yield from buffered_read(input, buffer_size)
+            yield from read_input(buffered_read, input, buffer_size)
             return
         steps = lockstep.live_ones()
         if len(steps) > 1:
             raise FlagError("--path with several models cannot run on several ranks: with the experts spread, "
                             "translate with one model at a time")
-        chunks = buffered_read(input, buffer_size) if dist.get_rank() == 0 else None
+        chunks = read_input(buffered_read, input, buffer_size) if dist.get_rank() == 0 else None
         try:
             while True:
                 lockstep.drain_all(steps)  # (every rank between two buffers: the broadcast is not an MoE call)
@@ -266,6 +288,14 @@ def shared_input(buffered_read):
                 step.on = False
 
     return wrapped
+
+
+def read_input(buffered_read, input, buffer_size):
+    """fairseq's buffered_read; stdin closed (`0<&-`: Python's sys.stdin is None, where fileinput fails with an
+    AttributeError) is an input with nothing to translate, as `< /dev/null` is."""
+    if input == "-" and sys.stdin is None:
+        return iter(())
+    return buffered_read(input, buffer_size)
 
 
 def rank0_print(*args, **kwargs):
