@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .expert_checkpoint import ZERO_KEY  # in a state dict: {"world_size": W}: "state" holds one rank's entries
+from .errors import CheckpointError
 
 
 def is_expert(p):
@@ -474,3 +475,31 @@ def flat_fp16_class():
     ExpertFlatFP16Optimizer.__name__ = ExpertFlatFP16Optimizer.__qualname__ = FP16Optimizer.__name__
     _CLASSES["flat_fp16"] = ExpertFlatFP16Optimizer
     return ExpertFlatFP16Optimizer
+
+
+# The optimizer classes fairseq's Trainer wraps around the optimizer for half precision, and their flags.
+HALF_PRECISION = {"FP16Optimizer": "--fp16 or --bf16", "MemoryEfficientFP16Optimizer": "--memory-efficient-fp16 or "
+                  "--memory-efficient-bf16", "AMPOptimizer": "--amp"}
+
+
+def check_resumed_precision(state, common, path, reset_optimizer):
+    """A checkpoint saved with --fp16 (--bf16, --amp) resumed without it, or the other way round: fairseq's Trainer
+    refuses it for any model, dense or not (an AssertionError "Optimizer does not match" on every rank, after the
+    model has loaded): its optimizer state is the half-precision wrapper's (the fp32 master copy, the loss scale)
+    or the bare optimizer's, not both. Refused here by name before anything loads; --reset-optimizer (a new
+    optimizer over the checkpoint's weights) is fairseq's way, and passes."""
+    history = state.get("optimizer_history") or []
+    if reset_optimizer or not history or state.get("last_optimizer_state") is None:
+        return
+    saved = history[-1].get("optimizer_name")
+    half_now = bool(common.fp16 or common.bf16 or common.amp)
+    if (saved in HALF_PRECISION) == half_now:
+        return
+    if half_now:
+        said = f"was saved without --fp16, --bf16 or --amp (its optimizer state is {saved}'s)"
+        asked = "this run asks for half precision"
+    else:
+        said = f"was saved with {HALF_PRECISION[saved]} (its optimizer state is {saved}'s: the fp32 master copy)"
+        asked = "this run has none of --fp16, --bf16, --amp"
+    raise CheckpointError(f"{path} {said} and {asked}: resume it with the precision flags it was saved with, or "
+                          "give --reset-optimizer to start a new optimizer from its weights")
