@@ -97,13 +97,16 @@ def check_data(state, path, data):
     cfg = task_config(state, path)
     if not cfg:
         return  # (nothing to tell the task by: fairseq's own error, if any)
-    if "source_lang" in cfg and cfg.get("lang_pairs"):  # multilingual: a dictionary per language, or shared
-        missing = [] if len(list(Path(data).glob("dict.*.txt"))) >= 2 else ["dict.SRC.txt and dict.TGT.txt"]
-        kind = "a multilingual translation task"
-    elif "source_lang" in cfg:  # translation
+    pair_saved = None not in (cfg.get("source_lang"), cfg.get("target_lang"))
+    if "source_lang" in cfg and (cfg.get("lang_pairs") or not pair_saved) and \
+            len(list(Path(data).glob("dict.*.txt"))) < 2:  # multilingual, or a pair to infer from the dictionaries
+        missing, kind = ["dict.SRC.txt and dict.TGT.txt"], "a translation task"
+    elif "source_lang" in cfg and not cfg.get("lang_pairs"):  # bilingual translation
         langs = language_pair(cfg, data)
         missing = [f"dict.{lang}.txt" for lang in langs if not (Path(data) / f"dict.{lang}.txt").is_file()]
         kind = f"a translation task ({'-'.join(langs)})"
+    elif "source_lang" in cfg:
+        missing = []
     else:
         missing, kind = [] if (Path(data) / "dict.txt").is_file() else ["dict.txt"], "a language model"
     if missing:

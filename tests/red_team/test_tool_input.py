@@ -162,11 +162,10 @@ TRIALS = [
     # item 7: what was a traceback
     ("export_hf --data of a language model", "export_hf", lambda t: (
         [t.nllb_like, t.tmp / "hf", "--data", lm_data(t)],
-        "has no dict.src.txt: the checkpoint is of a translation task (src-tgt)"), 2),
+        "has no dict.SRC.txt and dict.TGT.txt: the checkpoint is of a translation task"), 2),
     ("export_hf --data a raw text folder", "export_hf", lambda t: (
         [t.nllb_like, t.tmp / "hf", "--data", t.file("train.src", "a b c\n").parent],
-        "the checkpoint saved no language pair and fairseq infers it from the data-bin's train.SRC-TGT.* files; "
-        "there are none"), 2),
+        "has no dict.SRC.txt and dict.TGT.txt: the checkpoint is of a translation task"), 2),
     ("export_hf --data with dictionaries that are not", "export_hf", lambda t: (
         [t.nllb_like, t.tmp / "hf", "--data", bad_dictionaries(t)],
         "the checkpoint's task cannot read its dictionaries"), 2),
