@@ -2,8 +2,11 @@
 
 A refusal is a combination of flags (and of where the run is: experts spread over ranks or not) that
 cannot work with MoE layers, or would silently do something else than the flags say. Each is checked
-once, before any update: at "build" (the model's flags, on every rank, before any weight exists) or at
-"trainer" (fairseq builds its Trainer: the whole config, hydra runs too, the model and the criterion).
+once, before any update: at "start" (the parsed flags, before fairseq's main runs: whose own checks can end a run
+before any other stage, as its iopath import for --write-checkpoints-asynchronously does; checked again at
+"trainer", for ranks whose start the plugin did not see), at "build" (the model's flags, on every rank, before
+any weight exists) or at "trainer" (fairseq builds its Trainer: the whole config, hydra runs too, the model and
+the criterion).
 A bad value of a single flag is checked where it is read (MoEConfig.validate, the task, the criterion,
 compat.torchrun_on_cpu). tests/glue/test_refusals.py runs every entry with its example.
 """
@@ -166,7 +169,7 @@ REFUSALS = (
             "batch on all",
             {"spread": True, "flags": {"amp": True}}),
     Refusal("asynchronous checkpoint writes with spread experts", ("--write-checkpoints-asynchronously",),
-            "trainer", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
+            "start", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
             "--write-checkpoints-asynchronously is not supported with experts spread over ranks: a set's files "
             "must all be on disk before older sets are deleted",
             "no rank deletes an old checkpoint before every rank has written the new set",
@@ -255,8 +258,28 @@ def training_flags(cfg):
     return argparse.Namespace(**flat)
 
 
+STAGES = {"start": ("start",), "build": ("build",), "trainer": ("start", "trainer")}  # what each checks
+
+
 def check(stage, ctx):
     """Raise FlagError for the first refusal of `stage` that applies to ctx."""
     for refusal in REFUSALS:
-        if refusal.stage == stage and refusal.refused(ctx):
+        if refusal.stage in STAGES[stage] and refusal.refused(ctx):
             raise FlagError(refusal.text(ctx))
+
+
+def spread_by_flags(cfg):
+    """Whether the experts will be spread over ranks, from the flags alone (no model, no process group yet):
+    several ranks (build_expert_parallel in models/moe_transformer.py spreads an MoE model's experts over every
+    rank of a job of several) and an MoE model (--moe-expert-count is a flag of the MoE architectures only)."""
+    if isinstance(cfg, argparse.Namespace):
+        world, model = getattr(cfg, "distributed_world_size", 1), cfg
+    else:
+        world, model = (cfg.get("distributed_training") or {}).get("distributed_world_size", 1), cfg.get("model")
+    return (world or 1) > 1 and getattr(model, "moe_expert_count", None) is not None
+
+
+def check_start(cfg):
+    """The "start" refusals for fairseq's parsed config (or its Namespace of flags), on every rank, before
+    fairseq's main and before any collective (compat.py's hooks around the ranks' start call it)."""
+    check("start", Context(flags=training_flags(cfg), spread=spread_by_flags(cfg)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A one-node Slurm on this machine, for tests/glue/test_slurm.py: Debian's munge, slurmctld and slurmd,
-# as root, on localhost; the node has the machine's CPUs. Installs them if missing (apt), writes
-# /etc/slurm/slurm.conf, starts the daemons and waits until the node takes jobs. Idempotent: a running
+# as root, on localhost; the node has all the machine's CPUs, whatever OMP_NUM_THREADS says. Installs them if
+# missing (apt), writes /etc/slurm/slurm.conf, starts the daemons and waits until the node takes jobs. Idempotent: a running
 # cluster is left as it is. Not needed to train: only the Slurm tests use it (they skip without srun).
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then echo "slurm_up.sh: needs root (it installs and starts daemons)" >&2; exit 1; fi
@@ -11,7 +11,9 @@ if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! command
     apt-get install -y -qq --no-install-recommends slurmd slurmctld slurm-client munge >/dev/null
 fi
 HOST="$(hostname -s)"
-CPUS="$(nproc)"
+# Every CPU of the machine: plain nproc honours OMP_NUM_THREADS (README: 1 per rank), and a node of 1 CPU
+# would keep a 2-task srun waiting forever.
+CPUS="$(nproc --all)"
 # The node's name must resolve (slurmd, and the tasks meet at the step's first node by name).
 getent hosts "$HOST" >/dev/null || echo "127.0.0.1 $HOST" >> /etc/hosts
 if pgrep -x slurmctld >/dev/null && pgrep -x slurmd >/dev/null && sinfo -h -N -o "%N" 2>/dev/null | grep -qx "$HOST"; then

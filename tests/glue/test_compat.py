@@ -94,6 +94,8 @@ def test_srun_tasks_get_the_environment_of_torchrun_ranks(monkeypatch, tmp_path)
     scontrol.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[7-9]" ] && printf "gpu7\\ngpu8\\ngpu9\\n"\n')
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    met = []  # (the tasks' meeting is tests/red_team/test_slurm_env.py's: here, where and how many)
+    monkeypatch.setattr(compat, "meet_step", lambda step, host, port, seconds: met.append((step.tasks, host, port)))
     for key in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID",
                 "FAIRSEQ_MOE_LAUNCH_RANK"):
         monkeypatch.setenv(key, "")  # (recorded: what slurm_as_torchrun sets goes at the end of the test)
@@ -112,6 +114,7 @@ def test_srun_tasks_get_the_environment_of_torchrun_ranks(monkeypatch, tmp_path)
     assert {key: os.environ[key] for key in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
         "MASTER_ADDR": "gpu7", "MASTER_PORT": "29500", "WORLD_SIZE": "5", "RANK": "4", "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1"}
+    assert met == [(5, "gpu7", 29500)]
     for layout in ("2(x2)", "2,x"):  # (tasks per node that do not make the step's 5)
         monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", layout)
         with pytest.raises(FlagError, match=f"SLURM_STEP_TASKS_PER_NODE='{re.escape(layout)}' does not"):
