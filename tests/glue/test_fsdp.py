@@ -171,12 +171,12 @@ def test_a_sharded_fp16_optimizer_state_resumes_as_fp32_rows():
     spawn(_fp16_state_resumes, 2)
 
 
-# A validation (with its BLEU) after each of 6 updates (one per epoch), each rank its own batches of 8 sentences of the
-# valid set (sorted by length) and each beam search max_len_a 1: as long as its batch's longest source, so that the
-# ranks' searches take different numbers of steps and one rank, done first, serves the other's MoE calls.
-VALIDATING = (*COMMON, "--max-update", "6", "--max-tokens", "1600", "--batch-size-valid", "8", "--no-save",
-              "--eval-bleu", "--eval-bleu-detok", "space",
-              "--eval-bleu-args", '{"beam": 2, "max_len_a": 1, "max_len_b": 1}')
+# A validation (with its BLEU) after each update (one per epoch), each rank its own batches of 8 sentences of the valid
+# set (sorted by length) and each beam search max_len_a 1: as long as its batch's longest source, so that the ranks'
+# searches take different numbers of steps and one rank, done first, serves the other's MoE calls.
+VALIDATING = (*COMMON, "--max-tokens", "1600", "--batch-size-valid", "8", "--no-save", "--eval-bleu",
+              "--eval-bleu-detok", "space")
+DIFFERENT_LENGTHS = ("--eval-bleu-args", '{"beam": 2, "max_len_a": 1, "max_len_b": 1}')
 PER_BATCH = ("wps", "wpb", "bsz")  # (averages over the steps of a validation: one process takes twice as many)
 
 
@@ -190,23 +190,32 @@ def validations(log):
     return found
 
 
+def assert_validates_as_one_process(data_bin, folder, updates, *extra):
+    """fairseq-train --ddp-backend fully_sharded --eval-bleu on 2 ranks with extra, and one process with the same
+    global batch (--update-freq 2): a validation after each of the updates on both, each with the same metrics (the
+    loss, the MoE metrics, the BLEU). Returns the one process's validations."""
+    argv = (*VALIDATING, "--max-update", str(updates), *extra)
+    sharded = launch(2, folder / "fsdp", *train_argv(data_bin, folder / "fsdp", *argv, *FSDP))
+    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                          *train_argv(data_bin, folder / "one", *argv, *CLIP, "--update-freq", "2")],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert one.returncode == 0, tail(one.stderr)
+    fsdp = finish(sharded)
+    assert sharded_line(fsdp.stdout + fsdp.stderr, 2)[2] == 5  # (each of the 4 layers a unit)
+    want = validations(one.stdout + one.stderr)
+    assert len(want) == updates and {"loss", "moe_balance_loss", "bleu"} <= set(want[0])
+    assert validations(fsdp.stdout + fsdp.stderr) == want
+    return want
+
+
 @pytest.mark.slow
 def test_eval_bleu_validates_as_often_as_asked_as_one_process_does(data_bin, tmp_path):
     """--ddp-backend fully_sharded --eval-bleu on 2 ranks, beam searches of different lengths: all 6 validations run
     (the rank done first served the other's MoE calls with its gathered parameters, not its rows of the gates: the
     3rd validation of issue 30 died there), each with the validation loss, the MoE metrics and the BLEU of one process
-    with the same global batch (--update-freq 2)."""
-    sharded = launch(2, tmp_path / "fsdp", *train_argv(data_bin, tmp_path / "fsdp", *VALIDATING, *FSDP))
-    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                          *train_argv(data_bin, tmp_path / "one", *VALIDATING, *CLIP, "--update-freq", "2")],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert one.returncode == 0, tail(one.stderr)
-    fsdp = finish(sharded)
-    assert sharded_line(fsdp.stdout + fsdp.stderr, 2)[2] == 5
-    want = validations(one.stdout + one.stderr)
-    assert len(want) == 6 and {"loss", "moe_balance_loss", "bleu"} <= set(want[0])
+    with the same global batch."""
+    want = assert_validates_as_one_process(data_bin, tmp_path, 6, *DIFFERENT_LENGTHS)
     assert any(float(v["bleu"]) > 0 for v in want)
-    assert validations(fsdp.stdout + fsdp.stderr) == want
 
 
 class _Block(nn.Module):
@@ -232,11 +241,12 @@ class _Stack(nn.Module):
         return x
 
 
-def _served_while_gathered(rank, W):
-    """Blocks of MoE layers (4 experts spread over the ranks), sharded: a forward of the whole model on every rank,
-    then, every unit gathered (fsdp.gathered), each rank calls the blocks as tests/moe/test_lockstep.py's CALLS say
-    (rank 1: fewer calls; it is done first and serves rank 0's). Every output is what one process holding every
-    expert computes; afterwards each unit is cut again: every dense parameter this rank's rows, a DTensor."""
+def served_while_gathered(rank, W, calls, keep_gathered=False):
+    """Blocks of MoE layers (4 experts spread over the ranks), sharded (keep_gathered: --no-reshard-after-forward): a
+    forward of the whole model on every rank, then, every unit gathered (fsdp.gathered, as for a beam search), each
+    rank calls the blocks as calls[rank] says ((block, tokens), ...: a rank with fewer is done first and serves the
+    others'). Every output is what one process holding every expert computes; afterwards each unit is cut again: every
+    dense parameter this rank's rows, a DTensor, and the next forward is one process's."""
     from torch.distributed import group
 
     from fairseq_moe import fsdp
@@ -244,11 +254,11 @@ def _served_while_gathered(rank, W):
     from fairseq_moe_layer.comm import expert_parallel
     from fairseq_moe_layer.lockstep import lockstep
 
-    from ..moe.test_lockstep import CALLS, _layers
+    from ..moe.test_lockstep import _layers
 
     full = _Stack(_layers(None, "topk"))
     model = fsdp.shard(_Stack(_layers(expert_parallel(4), "topk")), group.WORLD, torch.device("cpu"),
-                       SimpleNamespace(no_reshard_after_forward=False, fp32_reduce_scatter=False))
+                       SimpleNamespace(no_reshard_after_forward=keep_gathered, fp32_reduce_scatter=False))
     dense = [name for name, p in model.named_parameters() if not is_expert(p)]
     assert dense and all(fsdp.is_dtensor(p) for name, p in model.named_parameters() if name in dense)
 
@@ -260,7 +270,7 @@ def _served_while_gathered(rank, W):
     with torch.no_grad(), lockstep(model):
         same(None, 4 + rank, rank)  # (the loss's forward: the same calls on every rank)
         with fsdp.gathered(model):  # (the beam search)
-            for n, (index, T) in enumerate(CALLS[rank]):
+            for n, (index, T) in enumerate(calls[rank]):
                 same(index, T, 10 * rank + n)
     assert all(fsdp.is_dtensor(p) for name, p in model.named_parameters() if name in dense)
     with torch.no_grad():
@@ -270,5 +280,6 @@ def _served_while_gathered(rank, W):
 @pytest.mark.slow
 def test_a_rank_done_first_serves_the_others_with_its_units_gathered():
     from ..moe.test_comm import spawn
+    from ..moe.test_lockstep import CALLS
 
-    spawn(_served_while_gathered, 2)
+    spawn(served_while_gathered, 2, CALLS)  # (rank 1: 2 calls of block 1; rank 0: 5 of blocks 0 and 1)
