@@ -28,7 +28,7 @@ from fairseq_moe_layer import malloc
 from fairseq_moe_layer.comm import local_experts
 
 from . import expert_checkpoint as shards
-from . import commit, fsdp, patches, refusals, safe_eval
+from . import commit, fsdp, optim, patches, refusals, safe_eval
 from .errors import CheckpointError, FlagError, MissingCheckpointError, SaveError
 from .fits import check_expert_layout, check_fits
 
@@ -448,11 +448,13 @@ class LoadForRank:
             self.model_keys = {n: tuple(t.shape) for n, t in trainer.get_model().state_dict().items()}
         self.model_cfg, self.log = trainer.cfg.model, trainer.data_parallel_rank == 0
         self.store_ema = bool(trainer.cfg.ema.store_ema)
+        self.common = trainer.cfg.common
 
     def __call__(self, path, arg_overrides=None, load_on_all_ranks=False):
         ranges = {n: (f, f + c) for n, (f, c, _) in self.spread.items()}
         state = load_found(self.found, arg_overrides, want=ranges, experts=self.experts)
         check_fits(state, self.model_keys, self.reset_optimizer, path, self.experts, self.model_cfg, self.log)
+        optim.check_resumed_precision(state, self.common, path, self.reset_optimizer)
         if self.spread:
             with shards.laid_out(path):
                 state = shards.cut_for_rank(state, self.spread)
@@ -488,36 +490,37 @@ def trainer_load_checkpoint(self, filename, *args, **kwargs):
         return fairseq_load(self, path, *args, **kwargs)
 
 
-def recover_before_resume(cfg, trainer):
-    """commit.recover() on rank 0 while no rank reads or writes: a committed save finished, an uncommitted
-    one's staged files removed, before any rank looks for its checkpoint (a gather: any backend)."""
-    failed = None
+def recover_before_resume(cfg, trainer, last=None):
+    """On rank 0 while no rank reads or writes: commit.recover() (a committed save finished, an uncommitted
+    one's staged files removed), then, given the path of checkpoint_last, resume_past_damage(). Returns its
+    --restore-file value (or None), the same on every rank (a gather: any backend); a failure is raised on
+    every rank."""
+    outcome = (None, None, None)  # (restore file, CheckpointError message, failure to recover)
     if trainer.data_parallel_rank == 0:
         try:
             commit.recover(cfg.save_dir, cfg.checkpoint_suffix)
+            outcome = (resume_past_damage(last, cfg.checkpoint_suffix) if last else None, None, None)
+        except CheckpointError as e:
+            outcome = (None, (isinstance(e, MissingCheckpointError), str(e)), None)
         except Exception as e:  # (the other ranks wait in the gather: they must hear of it)
             logger.exception("recovering %s", cfg.save_dir)
-            failed = commit.error_line(e)
+            outcome = (None, None, commit.error_line(e))
     if trainer.data_parallel_world_size > 1:
-        failed = _all_gather(failed, trainer.data_parallel_process_group)[0]
+        outcome = _all_gather(outcome, trainer.data_parallel_process_group)[0]
+    newest, damage, failed = outcome
+    if damage:
+        missing, message = damage
+        raise (MissingCheckpointError if missing else CheckpointError)(message)
     if failed:
         raise CheckpointError(f"--save-dir {cfg.save_dir}: what a stopped save left there cannot be recovered "
                               f"({failed}); nothing was loaded")
+    return newest
 
 
-def newest_complete_set(last, suffix, log=True):
-    """When the set checkpoint_last is incomplete or damaged: the newest complete set of this run's names
-    in its folder, as the --restore-file value that loads it (one log line says which and why). None when
-    checkpoint_last is whole (or a single file, or absent: fairseq's rules); the error when no set is."""
-    found = shards.locate(last)
-    if found is None or found[0] != "set":
-        return None
-    try:
-        shards.check_set(found[1])
-        return None
-    except CheckpointError as e:
-        damage = e
-    folder, names, best = os.path.dirname(last), shards.run_names(suffix), None
+def newest_complete_set(folder, suffix):
+    """(NAME, core, update) of the newest complete set of this run's names in folder (core: NAME without the
+    folder, "checkpoint" and the suffix), or None."""
+    names, best = shards.run_names(suffix), None
     for name in os.listdir(folder):
         m = names.match(name)
         if not m or m.group("tmp") or not name.endswith("-shared.pt"):
@@ -531,28 +534,53 @@ def newest_complete_set(last, suffix, log=True):
         key = (info.get("saved_at", 0), info.get("num_updates", 0))
         if best is None or key > best[0]:
             best = (key, base, m.group(1), info.get("num_updates"))
-    if best is None:
-        raise damage
-    _, base, core, updates = best
-    if log:
-        found = shards.resolve(f"{base}.pt")  # (a single file of that name saved later would be taken)
-        logger.warning(f"{last} cannot be resumed ({damage}); resuming from {shards.describe(found)} instead "
-                       f"(update {updates}), the newest complete set of this run")
-    return os.path.join(folder, f"checkpoint{core}.pt")
+    return None if best is None else best[1:]
+
+
+def resume_past_damage(last, suffix):
+    """When the set checkpoint_last is incomplete or damaged (a rank file missing or half copied): its files
+    are moved aside under a name no rule of the run touches (commit.set_aside), so that no save of this run
+    replaces them, and the newest complete set of the run is resumed instead; one log line says both. Returns
+    the --restore-file value that loads it; None when checkpoint_last is whole (or a single file, or absent:
+    fairseq's rules). Raises the damage, moving nothing, when no complete set is left to resume."""
+    found = shards.locate(last)
+    if found is None or found[0] != "set":
+        return None
+    try:
+        shards.check_set(found[1])
+        return None
+    except CheckpointError as e:
+        damage = e
+    folder = os.path.dirname(last)
+    newest = newest_complete_set(folder, suffix)
+    if newest is None:
+        raise type(damage)(f"{damage}; no other complete checkpoint set of this run is in {folder} to resume "
+                           f"from, so nothing was loaded or changed")
+    base, core, updates = newest
+    aside = commit.set_aside(found[1], suffix)
+    restore = os.path.join(folder, f"checkpoint{core}.pt")
+    found = shards.resolve(f"{base}.pt")  # (a single file of that name saved later would be taken)
+    plain = aside[:len(aside) - len(suffix or "")] if suffix else aside
+    logger.warning(f"{last} cannot be resumed ({damage}); its files are kept, moved aside as {aside}-shared.pt "
+                   f"and -rank-R.pt (no save of this run touches them: complete them and resume from them with "
+                   f"--restore-file {plain}.pt); resuming from {shards.describe(found)} instead (update {updates}), "
+                   f"the newest complete set of this run")
+    return restore
 
 
 def load_checkpoint(cfg, trainer, **passthrough_args):
     """fairseq's load_checkpoint, told about sets: it takes a run whose checkpoint_last exists
     only as a set (or a single file) at this world size for a first launch, and would then start
     --finetune-from-model / --continue-once over it instead of resuming. A stopped save is recovered
-    first; a damaged checkpoint_last set gives way to the newest complete set of the run."""
-    overrides, finetuning = {}, False
-    if expert_params(trainer.get_model()):
-        recover_before_resume(cfg, trainer)
-    if cfg.restore_file == "checkpoint_last.pt":
-        last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
-        resumable = shards.locate(last) is not None  # the same answer on every rank
-        newest = newest_complete_set(last, cfg.checkpoint_suffix, trainer.data_parallel_rank == 0)
+    first; a damaged checkpoint_last set is moved aside for the newest complete set of the run."""
+    overrides, finetuning, newest = {}, False, None
+    last = os.path.join(cfg.save_dir, f"checkpoint_last{cfg.checkpoint_suffix or ''}.pt")
+    if cfg.restore_file != "checkpoint_last.pt":
+        last = None
+    if expert_params(trainer.get_model()):  # (sets are written by MoE models only)
+        newest = recover_before_resume(cfg, trainer, last)
+    if last is not None:
+        resumable = newest is not None or shards.locate(last) is not None  # the same answer on every rank
         if newest is not None:
             overrides["restore_file"] = newest
         resets = cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_meters or cfg.reset_dataloader

@@ -156,6 +156,35 @@ def recover(folder, suffix):
             logger.info("removed %s, left by a save that did not finish", name)
 
 
+def set_aside(base, suffix=""):
+    """Rename every file of the set NAME (base: with the folder and the run's --checkpoint-suffix) to
+    NAME.damaged-ID: a name that none of the run's rules (shards.run_names) matches, so no save, --keep-* rule or
+    recover() touches it, and that loads as a set by --restore-file. ID: the save id its files carry (so a move
+    stopped half-way goes on under the same name), else a new one. Never over a file. Returns the new NAME."""
+    files = shards.set_files(base)
+    tag = next(filter(None, map(shards.saved_by, files)), None) or shards.new_save_id()
+    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
+    aside = f"{core}.damaged-{tag[:8]}{suffix or ''}"
+    for path in files:
+        rename_new(path, aside + path[len(base):])
+    fsync_folder(os.path.dirname(base) or ".")
+    return aside
+
+
+def rename_new(src, dst):
+    """os.rename(src, dst) that fails with FileExistsError when dst exists (a dangling link too)."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except FileExistsError:
+        raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
+    except OSError:  # (no hard links on this file system)
+        if os.path.lexists(dst):
+            raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)
+
+
 class SetSave:
     """One save of the sets of a run whose experts are spread, on one rank (steps 1-5 above).
 

@@ -184,12 +184,12 @@ def journal_problem(folder, journal, save_id, suffix):
                     return f"{staged} is not a regular file (a link?)"
             elif not os.path.lexists(final):
                 return f"{final} is missing (neither staged by this save nor renamed)"
-            elif _saved_by(final) != save_id:
+            elif saved_by(final) != save_id:
                 return f"{final} is not this save's (and nothing of this save is staged for it)"
     return None
 
 
-def _saved_by(path):
+def saved_by(path):
     """The save id in the manifest of the checkpoint file path, or None (missing, unreadable, a link)."""
     if _regular(path) is None:
         return None

@@ -321,8 +321,9 @@ def test_generate_and_eval_lm_take_a_set_by_its_name(data_bin, lm_data_bin, trai
 @pytest.mark.slow
 def test_a_resume_takes_the_newest_complete_set_when_checkpoint_last_is_damaged(data_bin, trained_checkpoint,
                                                                                tmp_path, caplog):
-    """checkpoint_last's rank file is gone (a copy restored in part): the automatic resume takes the newest
-    complete set of the run's names, says which in one line, and nothing on disk is removed."""
+    """checkpoint_last's rank file is gone (a copy restored in part): the automatic resume moves the damaged
+    set aside, takes the newest complete set of the run's names, says both in one line, and nothing on disk is
+    removed or replaced."""
     save = tmp_path / "save"
     older = make_set(trained_checkpoint, save, "checkpoint_1_1")
     newer = make_set(trained_checkpoint, save, "checkpoint_1_2")
@@ -333,13 +334,63 @@ def test_a_resume_takes_the_newest_complete_set_when_checkpoint_last_is_damaged(
         torch.save(shared, shards.shared_path(base))
     make_set(trained_checkpoint, save, "checkpoint_last")
     os.remove(save / "checkpoint_last-rank-1.pt")
+    damaged = {k: v for k, v in snapshot(save).items() if k.startswith("checkpoint_last-")}
     caplog.set_level("WARNING", logger="fairseq_moe.checkpoint")
     run_train(train_argv(data_bin, save, *ARGS, "--max-update", "3"))
     lines = [r.getMessage() for r in caplog.records if "newest complete set" in r.getMessage()]
     assert len(lines) == 1 and "checkpoint_last-rank-1.pt is missing" in lines[0], lines
     assert f"resuming from the expert-parallel set {shards.shared_path(newer)} + rank files" in lines[0]
     assert "instead (update 2)" in lines[0]
+    aside = {k: v for k, v in snapshot(save).items() if ".damaged-" in k}
+    assert sorted(v for v in aside.values()) == sorted(damaged.values()), (aside, damaged)
+    shared = next(k for k in aside if k.endswith("-shared.pt"))
+    assert f"moved aside as {save / shared} and -rank-R.pt" in lines[0], lines
     assert [h["num_updates"] for h in torch.load(save / "checkpoint_last.pt", weights_only=True)
             ["optimizer_history"]][-2:] == [2, 3]
     for base in (older, newer, other):
         shards.check_set(base)
+
+
+DAMAGED_RESUME = (*ARGS, "--max-tokens", "100", "--save-interval-updates", "3", "--keep-interval-updates", "1",
+                  "--max-update", "8", "--disable-validation")
+SHARDING = {"legacy_ddp": (), "zero": ("--zero-sharding", "os", "--clip-norm", "0.5"),
+            "fsdp": ("--ddp-backend", "fully_sharded", "--min-params-to-wrap", "0", "--clip-norm", "0.5")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("W, damage, sharding", [(2, "missing", "legacy_ddp"), (4, "truncated", "legacy_ddp"),
+                                                 (2, "truncated", "zero"), (2, "missing", "fsdp")])
+def test_a_resume_never_saves_over_a_damaged_checkpoint_last(data_bin, tmp_path, W, damage, sharding):
+    """W ranks save checkpoint_last at update 8 (and checkpoint_E_6); its rank-1 file is then missing or half
+    copied (a folder being copied or restored). The same command resumes from checkpoint_E_6 and saves a new
+    checkpoint_last, but the damaged set is moved aside first, byte for byte: once its rank-1 file is back under
+    the new name, it is the whole update-8 state again."""
+    save = tmp_path / "save"
+    argv = (*DAMAGED_RESUME, *SHARDING[sharding])
+    first = launch_w(W, data_bin, save, *argv)
+    assert first.returncode == 0, tail(first.stdout + first.stderr)
+    interval = sorted({k.split("-")[0] for k in os.listdir(save) if k.startswith("checkpoint_") and "last" not in k})
+    assert len(interval) == 1, sorted(os.listdir(save))  # --keep-interval-updates 1: the set to fall back to
+    fallback = updates(shards.assemble(str(save / interval[0])))
+    rank1 = save / "checkpoint_last-rank-1.pt"
+    whole = rank1.read_bytes()
+    if damage == "missing":
+        os.remove(rank1)
+    else:
+        rank1.write_bytes(whole[:len(whole) // 2])
+    damaged = {k: v for k, v in snapshot(save).items() if k.startswith("checkpoint_last-")}
+    resumed = launch_w(W, data_bin, save, *argv)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, tail(log)
+    lines = [line for line in log.splitlines() if "cannot be resumed" in line]
+    assert len(lines) == 1 and "moved aside as" in lines[0] and f"{interval[0]}-shared.pt" in lines[0], lines
+    aside = {k: v for k, v in snapshot(save).items() if ".damaged-" in k}
+    assert sorted(k.split(".damaged-")[1][8:] for k in aside) == sorted(k[len("checkpoint_last"):] for k in damaged)
+    assert sorted(aside.values()) == sorted(damaged.values())
+    base = str(save / next(k for k in aside if k.endswith("-shared.pt"))[:-len("-shared.pt")])
+    with open(shards.rank_path(base, 1), "wb") as f:
+        f.write(whole)  # the copy finished: the update-8 set is whole again
+    shards.check_set(base)
+    assert updates(shards.assemble(base)) == 8
+    last = shards.assemble(str(save / "checkpoint_last"))
+    assert [h["num_updates"] for h in last["optimizer_history"]][-2:] == [fallback, 8]
