@@ -241,6 +241,8 @@ def step_hosts(env, step):
 
 
 def meet_seconds(env=os.environ):
+    """How long a task waits for the others of its step (FAIRSEQ_MOE_SLURM_MEET_SECONDS, else MEET_SECONDS): the
+    tasks of a step start together, so this covers how much longer one takes to import and parse than another."""
     value = env.get(MEET_SECONDS_VAR)
     if value is None:
         return MEET_SECONDS
@@ -255,8 +257,9 @@ def meet_seconds(env=os.environ):
 
 
 class _Meeting:
-    """This process's meeting (meet_step): the store it met through (task 0's server, which torch's rendezvous
-    then shares: multi-tenant, same port) and whether it failed (then every task prints its line: launcher_rank)."""
+    """This process's meeting (meet_step): the port its step met at, task 0's store (its server, which torch's
+    rendezvous then shares: multi-tenant, same port), and whether it failed (then every task prints its line:
+    launcher_rank)."""
     store = None
     port = None
     failed = False
@@ -298,7 +301,7 @@ def slurm_as_torchrun(port):
                         f"first node, where the tasks meet), as fairseq's Slurm launch needs")
     try:
         hosts = step_hosts(env, step)
-        if _Meeting.store is None or _Meeting.port != port:  # (once: spread.py and fairseq's start both call this)
+        if _Meeting.port != port:  # (once: spread.py and fairseq's start both call this in one process)
             meet_step(step, hosts[0], port, meet_seconds(env))
     except FlagError:
         _Meeting.failed = True  # (every task prints its line)
@@ -335,8 +338,9 @@ def meet_step(step, host, port, seconds):
                    f"held it (SLURM_PROCID=0) ended; see its line")
     if outcome != "ok":
         raise FlagError(outcome)
+    _Meeting.port = port
     if serving:
-        _Meeting.store, _Meeting.port = store, port  # (kept: torch's rendezvous serves from it)
+        _Meeting.store = store  # (kept: torch's rendezvous serves from it)
 
 
 def _outcome(store, step, where, seconds, deadline):

@@ -194,3 +194,19 @@ def test_ranks_die_with_a_launcher_killed_by_sigkill(run, tmp_path, mode):
     launcher.kill()
     launcher.wait(TIMEOUT)
     wait_for(lambda: not [pid for pid in ranks if alive(pid)], "the ranks to die with the launcher", timeout=5)
+
+
+@pytest.mark.slow
+def test_a_launch_inside_an_srun_step_keeps_its_own_ranks(tmp_path):
+    """python -m fairseq_moe.launch inside an srun step (here a hand-made one whose tasks could never be one step:
+    SLURM_PROCID 5 of 2): its ranks are the launcher's, meeting at its port; the step's variables are not read."""
+    from tests.red_team.test_slurm_env import TASK, TASK_SCRIPT
+
+    (tmp_path / "task.py").write_text(TASK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "FAIRSEQ_MOE_"))}
+    env.update(TASK, SLURM_PROCID="5", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--", "python", "task.py", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(line.split()[1] for line in out.stdout.splitlines()) == ["0", "1"], out.stdout

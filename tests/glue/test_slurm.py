@@ -81,3 +81,18 @@ def test_srun_usage_errors_are_one_line(data_bin, tmp_path):
     assert out.returncode != 0  # (2, or srun's code for the task it stopped when rank 0 had ended)
     assert [line for line in out.stderr.splitlines() if "unrecognized arguments" in line] == [
         "fairseq-train: error: unrecognized arguments: --no-such-flag"], tail(out.stderr)  # (argparse's, once)
+
+
+def test_srun_tasks_of_one_procid_are_one_line_each_within_seconds(tmp_path):
+    """A real step whose two tasks both say SLURM_PROCID=0 (a wrapper that sets it, as a hand-written script
+    might): each task prints one line naming the variable and exits, in seconds, not torch's 30 minutes."""
+    from tests.red_team.test_slurm_env import ROOT, TASK_SCRIPT
+
+    (tmp_path / "task.py").write_text(TASK_SCRIPT)
+    port = _free_port()
+    out = subprocess.run(["srun", "-N1", "--ntasks", "2", "--chdir", str(tmp_path), "bash", "-c",
+                          f'SLURM_PROCID=0 exec "{sys.executable}" task.py {port}'], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("task.py: error:")]
+    assert out.returncode != 0 and len(errors) == 2, tail(out.stderr)
+    assert all("SLURM_PROCID=0 is on more than one task of the step" in line for line in errors), errors
