@@ -50,7 +50,7 @@ class Context:
 class Refusal:
     setup: str  # what is refused, in words
     flags: tuple  # the flags involved
-    stage: str  # "build" or "trainer"
+    stage: str  # "start", "build" or "trainer" (STAGES)
     refused: Callable[[Context], bool]
     message: object  # str.format(**flags), or a callable(ctx) -> str
     why: str

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A one-node Slurm on this machine, for tests/glue/test_slurm.py: Debian's munge, slurmctld and slurmd,
-# as root, on localhost; the node has all the machine's CPUs, whatever OMP_NUM_THREADS says. Installs them if
-# missing (apt), writes /etc/slurm/slurm.conf, starts the daemons and waits until the node takes jobs. Idempotent: a running
-# cluster is left as it is. Not needed to train: only the Slurm tests use it (they skip without srun).
+# as root, on localhost; the node has all the machine's CPUs, whatever OMP_NUM_THREADS says. Installs them
+# if missing (apt), writes /etc/slurm/slurm.conf, starts the daemons and waits until the node takes jobs.
+# Idempotent: a running cluster is left as it is. Not needed to train: only the Slurm tests use it (they skip
+# without srun).
 set -euo pipefail
 if [ "$(id -u)" != 0 ]; then echo "slurm_up.sh: needs root (it installs and starts daemons)" >&2; exit 1; fi
 if ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! command -v srun >/dev/null; then

@@ -73,8 +73,8 @@ def test_asynchronous_writes_with_spread_experts_are_refused_before_fairseqs_mai
     monkeypatch.setattr(distributed_utils, "distributed_init", lambda cfg: reached.append("distributed_init") or 0)
     monkeypatch.setattr(train, "main", lambda cfg, **kwargs: reached.append("main"))
     cfg = convert_namespace_to_omegaconf(parse_train(train_argv(
-        str(tmp_path / "data"), str(tmp_path / "save"), "--write-checkpoints-asynchronously", "--distributed-backend", "gloo",
-        "--ddp-backend", "legacy_ddp", *more)))
+        str(tmp_path / "data"), str(tmp_path / "save"), "--write-checkpoints-asynchronously",
+        "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", *more)))
     with pytest.raises(SystemExit) as code:
         distributed_utils.call_main(cfg, train.main)  # (the plugin's: one line, exit code 2)
     assert code.value.code == 2 and reached == []
@@ -99,5 +99,5 @@ def test_asynchronous_writes_on_one_process_are_fairseqs(monkeypatch, tmp_path):
     cfg = convert_namespace_to_omegaconf(parse_train(train_argv(str(tmp_path / "data"), str(tmp_path / "save"),
                                                                 "--write-checkpoints-asynchronously")))
     ran = []
-    distributed_utils.call_main(cfg, lambda cfg, **kwargs: ran.append(cfg.checkpoint.write_checkpoints_asynchronously))
+    distributed_utils.call_main(cfg, lambda cfg, **kw: ran.append(cfg.checkpoint.write_checkpoints_asynchronously))
     assert ran == [True]
