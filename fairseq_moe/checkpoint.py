@@ -14,7 +14,6 @@ import importlib
 import logging
 import os
 import re
-import shutil
 import time
 import weakref
 from dataclasses import dataclass
@@ -88,11 +87,27 @@ def overridden(cfg, key, value):
 def _atomic_copy(src, dst, overwrite):
     if os.path.exists(dst) and not overwrite:
         return False
-    if os.path.lexists(dst + ".tmp"):  # a left-over (or a link): never write through it
-        os.remove(dst + ".tmp")
-    shutil.copyfile(src, dst + ".tmp")
+    try:
+        commit.copy_synced(src, dst + ".tmp")  # (a left-over, or a link, there is removed: never written through)
+    except BaseException:
+        commit.remove_quietly(dst + ".tmp")
+        raise
     os.replace(dst + ".tmp", dst)
     return True
+
+
+def persistent_save(obj, filename, async_write=False):
+    """fairseq's torch_persistent_save during a save of an MoE model on one process: the file written whole
+    as NAME.tmp, flushed, then renamed (fairseq's atomic save), without fairseq's three tries and logged
+    traceback; a failure to write is an OSError naming the file (save_checkpoint makes it a SaveError)."""
+    if async_write:  # (iopath's asynchronous writer: fairseq's own)
+        return patches.original(_CKPT, "torch_persistent_save")(obj, filename, async_write=True)
+    try:
+        commit.write_synced(obj, filename + ".tmp")
+    except BaseException:
+        commit.remove_quietly(filename + ".tmp")
+        raise
+    os.replace(filename + ".tmp", filename)
 
 
 def load_checkpoint_file(path, arg_overrides=None, mmap=False):
@@ -333,11 +348,15 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     run_state(trainer).save, error, out = save, None, None
     try:
         with patches.scoped(checkpoint_utils, "PathManager", save), \
-                patches.scoped(checkpoint_utils, "os", OsDuringSave(save)):
+                patches.scoped(checkpoint_utils, "os", OsDuringSave(save)), \
+                patches.scoped(checkpoint_utils, "torch_persistent_save", persistent_save):
             out = fairseq_save(cfg, trainer, epoch_itr, val_loss)
     except Exception as e:
         if sets is None:
-            raise
+            if commit.os_error_in(e) is None:
+                raise
+            raise SaveError(f"the checkpoint save in {cfg.save_dir} failed ({commit.error_line(e)}); nothing was "
+                            f"replaced: the previous checkpoints are as they were") from e
         error = e  # the other ranks must hear of it before anyone raises
     finally:
         run_state(trainer).save = None

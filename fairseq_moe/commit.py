@@ -70,6 +70,12 @@ def _remove(path):
         os.remove(path)
 
 
+def remove_quietly(path):
+    """Remove the file path if it is there; any failure (the disk that failed a write) is ignored."""
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
 def write_journal(folder, save_id, suffix, world_size, commit, retire):
     """Step 3: the commit point. commit, retire: set names (NAME, without the folder). Returns (path,
     journal)."""

@@ -67,6 +67,9 @@ PATCHES = (
     Patch(_CKPT, "os", "fairseq_moe.checkpoint:OsDuringSave",
           "fairseq's --keep-* os.remove of one rank's file of an old set retires the whole set, deleted by "
           "rank 0 only once the new sets are committed", scoped=True),
+    Patch(_CKPT, "torch_persistent_save", "fairseq_moe.checkpoint:persistent_save",
+          "a save of an MoE model on one process: a failed write (a full disk) is one line, not three tries and "
+          "a logged traceback; the file flushed before its rename", scoped=True),
     Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
     # --ddp-backend fully_sharded on torch's FSDP, the experts left expert-parallel (fsdp.py)

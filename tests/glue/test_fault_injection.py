@@ -177,7 +177,7 @@ import fairseq  # first: importing the plugin (from the --user-dir fairseq will 
 fault, victim, user_dir = sys.argv[1:4]
 sys.path.insert(0, os.path.dirname(user_dir))
 from fairseq_moe import commit
-mine = lambda path: os.environ.get("RANK") == victim and "checkpoint_1_4" in path
+mine = lambda path: os.environ.get("RANK", "0") == victim and "checkpoint_1_4" in path  # (one process: rank 0)
 write, step = commit.write_synced, commit.SetSave._step
 def faulty_write(obj, path):
     if mine(path) and fault == "mid-write":
@@ -187,7 +187,19 @@ def faulty_write(obj, path):
         os.kill(os.getpid(), signal.SIGKILL)
     if mine(path) and fault == "disk full":
         resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+    if mine(path) and fault == "full in torch.save":  # inside the file torch.save writes, past its first record
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
     return write(obj, path)
+if fault == "full in torch.save":  # (says how torch.save itself failed)
+    import torch
+    torch_save = torch.save
+    def noted_save(*args, **kwargs):
+        try:
+            return torch_save(*args, **kwargs)
+        except Exception as e:
+            print(f"torch.save raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            raise
+    torch.save = noted_save
 def faulty_step(self, name):
     if name == fault and any(mine(f) for f in self.staged):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -236,6 +248,7 @@ def reference_losses(data_bin, tmp_path_factory):
     (2, "mid-write", 1, 2),   # a rank killed while it writes: the save of update 4 never happened
     (2, "committed", 0, 4),   # rank 0 killed after the commit, before any rename: the resume finishes it
     (2, "disk full", 1, 2),   # a file-size limit on rank 1: every rank stops with one line, nothing replaced
+    (2, "full in torch.save", 0, 2),  # the limit met inside torch.save (its RuntimeError hides the OSError)
     (4, "agreed", 3, 4),      # rank 3 killed once all agreed: rank 0 commits and switches without it
     (4, "written", 2, 2),     # rank 2 killed before the agreement: nothing is replaced
 ])
@@ -250,11 +263,14 @@ def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, ref
     out = launch_w(W, data_bin, save, *SAVES, fault=fault, victim=victim, script=tmp_path / "faulty.py")
     log = out.stdout + out.stderr
     assert out.returncode != 0, tail(log)
-    if fault == "disk full":
+    if fault in ("disk full", "full in torch.save"):
         errors = [line for line in log.splitlines() if ": error: " in line]
         assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, tail(log)
         assert f"failed on rank {victim} of {W}" in errors[0] and "File too large" in errors[0], errors
         assert "nothing was replaced" in errors[0]
+    if fault == "full in torch.save":
+        assert "torch.save raised RuntimeError: [enforce fail" in log and "unexpected pos" not in errors[0], tail(log)
+        assert ".staged: File too large" in errors[0], errors
     before = snapshot(save)
     resumed = launch_w(W, data_bin, save, *SAVES)
     log_resumed = resumed.stdout + resumed.stderr
@@ -394,3 +410,22 @@ def test_a_resume_never_saves_over_a_damaged_checkpoint_last(data_bin, tmp_path,
     assert updates(shards.assemble(base)) == 8
     last = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in last["optimizer_history"]][-2:] == [fallback, 8]
+
+
+@pytest.mark.slow
+def test_a_full_disk_inside_torch_save_on_one_process_is_one_line(data_bin, tmp_path):
+    """One process (fairseq's own save, which tries torch.save three times and logs its traceback): the file-size
+    limit met inside torch.save is one line naming the file, exit 1, and the previous checkpoints are as they
+    were, with no temporary left."""
+    save = tmp_path / "save"
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    cmd = [sys.executable, str(script), "full in torch.save", "0", USER_DIR, *train_argv(data_bin, save, *SAVES)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    log = out.stdout + out.stderr
+    errors = [line for line in log.splitlines() if ": error: " in line]
+    assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, tail(log)
+    assert "torch.save raised RuntimeError: [enforce fail" in log, tail(log)
+    assert f"checkpoint_1_4.pt.tmp: File too large" in errors[0] and "nothing was replaced" in errors[0], errors
+    assert sorted(os.listdir(save)) == ["checkpoint_1_2.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    assert updates(torch.load(save / "checkpoint_last.pt", weights_only=True)) == 2
