@@ -109,7 +109,7 @@ def test_scoped_patches_are_only_the_tables():
         assert checkpoint_utils.PathManager == "stand-in"
     assert checkpoint_utils.PathManager != "stand-in"
     with pytest.raises(AssertionError, match="not a scoped patch"):
-        with patches.scoped(checkpoint_utils, "torch_persistent_save", None):
+        with patches.scoped(checkpoint_utils, "verify_checkpoint_directory", None):
             pass
     with pytest.raises(AssertionError, match="not a scoped patch"):
         with patches.scoped(trainer.Trainer, "save_checkpoint", None):  # a permanent one, not scoped
