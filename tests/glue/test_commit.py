@@ -339,6 +339,7 @@ def test_recover_leaves_a_committed_save_whose_file_is_gone_and_what_it_retires(
                                                    f"checkpoint_1_4-shared.pt.{sid}.staged", f"moe-commit-{sid}.json"])
     assert f"moe-commit-{sid}.json: not acted on, left as it is: " in caplog.text
     assert "checkpoint_1_4-rank-0.pt is missing (neither staged by this save nor renamed)" in caplog.text
+    assert len(caplog.records) == 1, caplog.text  # (not a second line saying it "does not read as one")
 
 
 def test_set_names_for_fairseqs_model_loader(tmp_path):

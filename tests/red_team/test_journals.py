@@ -175,3 +175,26 @@ def test_a_journal_stopped_in_its_deletions_is_finished(folder):
     assert sorted(os.listdir(folder)) == sorted(["checkpoint_last-shared.pt", "checkpoint_last-rank-0.pt",
                                                  "checkpoint_last-rank-1.pt", "precious-shared.pt",
                                                  "precious-rank-0.pt", "precious-rank-1.pt", "elsewhere.json"])
+
+
+def test_a_read_only_folder_names_the_staged_file_not_yet_renamed(folder, monkeypatch):
+    """A reader in a folder it cannot change (a read-only mount: os.replace fails with EROFS, even for a name
+    that is gone), the save's shared file renamed already, its rank files not: the one line names a staged file
+    that is there."""
+    import errno
+
+    from fairseq_moe.errors import CheckpointError
+
+    write_set(str(folder), "checkpoint_last", NEW, staged=True)
+    shared = str(folder / "checkpoint_last-shared.pt")
+    os.replace(shards.staged_path(shared, NEW), shared)
+    commit.write_journal(str(folder), NEW, "", W, ["checkpoint_last"], [])
+
+    def read_only(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system", src)
+
+    monkeypatch.setattr(shards.os, "replace", read_only)
+    with pytest.raises(CheckpointError) as e:
+        shards.resolve(str(folder / "checkpoint_last.pt"))
+    assert f"{shards.staged_path(str(folder / 'checkpoint_last-rank-0.pt'), NEW)} cannot be renamed" in str(e.value)
+    assert "Read-only file system" in str(e.value)
