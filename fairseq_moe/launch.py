@@ -81,7 +81,7 @@ def rank_command(command, nproc):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m fairseq_moe.launch", description=__doc__.split("\n\n")[0],
                                      usage="python -m fairseq_moe.launch --nproc N -- COMMAND ...")
     parser.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
     parser.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (default: a free one)")

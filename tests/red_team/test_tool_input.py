@@ -244,3 +244,16 @@ def test_a_deeply_nested_log_line_is_not_a_log_line(tmp_path, capsys):
     assert call("plot", [run, tmp_path / "o"]) == 0
     assert sorted(os.listdir(tmp_path / "o")) == ["dropped.png", "expert_load.png", "loss.png"]
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--nproc", "0", "--", "true"], "--nproc must be >= 1, got 0"),
+                                            (["--nproc", "2"], "no command given after --")])
+def test_the_launcher_keeps_the_commands_convention(capsys, argv, fragment):
+    """python -m fairseq_moe.launch's usage errors: argparse's usage, then the same PROG: error: line, exit 2."""
+    from fairseq_moe import launch
+
+    with pytest.raises(SystemExit) as e:
+        launch.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "error" in line] == [f"python -m fairseq_moe.launch: error: {fragment}"]
