@@ -147,11 +147,11 @@ def test_reshard_and_consolidate_commands(tmp_path, capsys):
     assert reshard_main([one, str(tmp_path / "w8" / "ckpt.pt"), "--world-size", "8"]) == 0
     assert_same(shards.assemble(str(tmp_path / "w8" / "ckpt")), full_state())
 
-    assert reshard_main([base + ".pt", four, "--world-size", "4"]) == 1  # never overwrites
+    assert reshard_main([base + ".pt", four, "--world-size", "4"]) == 2  # never overwrites
     assert "ckpt-rank-0.pt exists" in capsys.readouterr().err
-    assert reshard_main([base + ".pt", str(tmp_path / "w3.pt"), "--world-size", "3"]) == 1
-    assert "--moe-expert-count 4 and --distributed-world-size 3" in capsys.readouterr().err
-    assert reshard_main([str(tmp_path / "nothing.pt"), str(tmp_path / "x.pt"), "--world-size", "2"]) == 1
+    assert reshard_main([base + ".pt", str(tmp_path / "w3.pt"), "--world-size", "3"]) == 2
+    assert "--world-size 3" in capsys.readouterr().err
+    assert reshard_main([str(tmp_path / "nothing.pt"), str(tmp_path / "x.pt"), "--world-size", "2"]) == 2
     assert "nothing.pt: no such checkpoint" in capsys.readouterr().err
 
 

@@ -14,22 +14,11 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()
 
-from tests.glue.helpers import (ML_ARGS, USER_DIR, binarise_toy_corpus, binarise_toy_lm_corpus,  # noqa: E402
-                                binarise_toy_multilingual_corpus, eval_lm_argv, lm_train_argv, parse_train,
-                                run_eval_lm, run_train, tail, train_argv)
+from tests.glue.helpers import (ML_ARGS, USER_DIR, binarise_toy_lm_corpus, eval_lm_argv, lm_train_argv,  # noqa: E402
+                                parse_train, run_eval_lm, run_train, tail, train_argv)
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 BIN = os.path.dirname(sys.executable)
-
-
-@pytest.fixture(scope="module")
-def ml_bin(tmp_path_factory):
-    return binarise_toy_multilingual_corpus(tmp_path_factory.mktemp("ml"))
-
-
-@pytest.fixture(scope="module")
-def mt_bin(tmp_path_factory):
-    return binarise_toy_corpus(tmp_path_factory.mktemp("mt"))
 
 
 def one_line(capsys, call):
@@ -84,11 +73,11 @@ MULTILINGUAL = [
 @pytest.mark.parametrize("tool, flags, fragments", MULTILINGUAL,
                          ids=["missing-dictionary", "unknown-language", "missing-data", "langs-and-lang-dict",
                               "unknown-target-lang", "source-lang-alone", "missing-target-dict"])
-def test_multilingual_task_bad_input_is_one_line(ml_bin, tmp_path, capsys, tool, flags, fragments):
-    data = ml_bin
+def test_multilingual_task_bad_input_is_one_line(ml_data_bin, tmp_path, capsys, tool, flags, fragments):
+    data = ml_data_bin
     if "MISSING_DICT" in flags:  # the corpus without its yy dictionary
         data = str(tmp_path / "bin")
-        shutil.copytree(ml_bin, data)
+        shutil.copytree(ml_data_bin, data)
         os.remove(os.path.join(data, "dict.yy.txt"))
         flags = tuple(f for f in flags if f != "MISSING_DICT")
     if tool == "train":
@@ -106,9 +95,9 @@ def test_multilingual_task_bad_input_is_one_line(ml_bin, tmp_path, capsys, tool,
     ("fairseq-train", ("--lang-pairs", "en-xx,en-zz", *LANGS), "--lang-pairs en-zz: language zz"),
     ("fairseq-generate", ("--source-lang", "en", "--target-lang", "qq"), "--target-lang qq: language qq"),
 ], ids=["train-unknown-language", "generate-unknown-target-lang"])
-def test_multilingual_bad_input_on_two_ranks_is_one_line_in_all(ml_bin, tmp_path, tool, flags, fragment):
+def test_multilingual_bad_input_on_two_ranks_is_one_line_in_all(ml_data_bin, tmp_path, tool, flags, fragment):
     """On 2 ranks every rank meets the bad input: rank 0 prints the line, the other exits quietly."""
-    argv = ml_train(ml_bin, tmp_path / "save", *flags) if tool == "fairseq-train" else ml_generate(ml_bin, *flags)
+    argv = ml_train(ml_data_bin, tmp_path / "save", *flags) if tool == "fairseq-train" else ml_generate(ml_data_bin, *flags)
     out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", tool, *argv],
                          capture_output=True, text=True, env=ENV, timeout=600)
     errors = [line for line in out.stderr.splitlines() if ": error: " in line]
@@ -127,9 +116,9 @@ FP16 = [
 
 @pytest.mark.parametrize("first, then, fragments", FP16, ids=["fp16-then-fp32", "fp32-then-fp16",
                                                               "fp16-then-fp32-reset-optimizer"])
-def test_a_change_of_precision_on_resume(mt_bin, tmp_path, capsys, first, then, fragments):
+def test_a_change_of_precision_on_resume(data_bin, tmp_path, capsys, first, then, fragments):
     def argv(updates, *extra):
-        return train_argv(mt_bin, tmp_path, "--moe-expert-count", "4", "--required-batch-size-multiple", "1",
+        return train_argv(data_bin, tmp_path, "--moe-expert-count", "4", "--required-batch-size-multiple", "1",
                           "--max-update", str(updates), *extra)
 
     run_train(argv(2, *first))
@@ -181,9 +170,9 @@ def test_check_resumed_precision(saved, flags, refused):
 
 
 @pytest.fixture(scope="module")
-def mt_checkpoint(mt_bin, tmp_path_factory):
+def mt_checkpoint(data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("mt_save")
-    run_train(train_argv(mt_bin, save, "--max-update", "2", "--moe-expert-count", "4",
+    run_train(train_argv(data_bin, save, "--max-update", "2", "--moe-expert-count", "4",
                          "--required-batch-size-multiple", "1"))
     return save / "checkpoint_last.pt"
 
@@ -193,9 +182,9 @@ INTERACTIVE = [(1, "< /dev/null"), (1, "0<&-"), (2, "0<&-")]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("W, stdin", INTERACTIVE, ids=["devnull", "closed", "closed-2-ranks"])
-def test_interactive_with_no_input_exits_cleanly(mt_bin, mt_checkpoint, W, stdin):
+def test_interactive_with_no_input_exits_cleanly(data_bin, mt_checkpoint, W, stdin):
     """Nothing to translate: exit 0, no traceback (stdin closed: Python's sys.stdin is None)."""
-    argv = ["fairseq-interactive", mt_bin, "--user-dir", USER_DIR, "--path", str(mt_checkpoint), "--task",
+    argv = ["fairseq-interactive", data_bin, "--user-dir", USER_DIR, "--path", str(mt_checkpoint), "--task",
             "moe_translation", "--source-lang", "src", "--target-lang", "tgt", "--beam", "2", "--cpu"]
     cmd = [os.path.join(BIN, argv[0]), *argv[1:]] if W == 1 else [sys.executable, "-m", "fairseq_moe.launch",
                                                                   "--nproc", str(W), "--", *argv]

@@ -4,7 +4,6 @@ searches to differ. The promise: every validation runs, and gives what one proce
 the validation's loss, MoE metrics and BLEU); afterwards every unit is cut again."""
 import pytest
 
-from tests.glue.conftest import data_bin  # noqa: F401 (the toy corpus, a fixture)
 from tests.glue.test_fsdp import DIFFERENT_LENGTHS, assert_validates_as_one_process, served_while_gathered
 from tests.moe.test_comm import spawn
 

@@ -20,8 +20,7 @@ fairseq_moe.load_plugin()  # (what tests/glue/conftest.py does: fairseq has load
 from fairseq_moe import (consolidate, convert_moe_branch, export_hf, inspect, plot, prune,  # noqa: E402
                          reshard, upcycle)
 
-from ..glue.helpers import (ML_ARGS, binarise_toy_corpus, binarise_toy_multilingual_corpus,  # noqa: E402
-                            run_train, train_argv)
+from ..glue.helpers import ML_ARGS, run_train, train_argv  # noqa: E402
 
 COMMANDS = {"reshard": reshard, "consolidate": consolidate, "upcycle": upcycle,
             "convert_moe_branch": convert_moe_branch, "export_hf": export_hf, "prune": prune, "inspect": inspect,
@@ -48,16 +47,6 @@ def assert_one_line(name, code, capsys, want_code, fragment):
     assert lines[0].startswith(f"python -m fairseq_moe.{name}: error: "), lines[0]
     assert fragment in lines[0], lines[0]
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    return binarise_toy_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def ml_data_bin(tmp_path_factory):
-    return binarise_toy_multilingual_corpus(tmp_path_factory.mktemp("ml_corpus"))
 
 
 @pytest.fixture(scope="module")
