@@ -54,7 +54,10 @@ def check_languages(args):
         given = "--source-lang" if args.target_lang is None else "--target-lang"
         raise FlagError(f"{given} without {'--target-lang' if given == '--source-lang' else '--source-lang'}: "
                         "the multilingual task translates one direction, give both")
-    langs = MultilingualDatasetManager.load_langs(args)
+    if lang_dict or args.langs:
+        langs = MultilingualDatasetManager.load_langs(args)
+    else:  # (fairseq's inference from --lang-pairs, which prepare() splits only later: here it is still a string)
+        langs = sorted({lang for pair in _pairs(args.lang_pairs) for lang in pair.split("-")})
     if _inference(args):
         asked = [(f"--source-lang {args.source_lang}", args.source_lang),
                  (f"--target-lang {args.target_lang}", args.target_lang)]

@@ -214,3 +214,24 @@ def test_eval_lm_context_window_on_ranks_is_one_process(tmp_path_factory, W):
     lines = [line for line in out.stderr.splitlines() if "Loss (base 2):" in line]
     assert out.returncode == 0 and len(lines) == 1, tail(out.stderr)
     assert float(lines[0].split("Loss (base 2): ")[1].split(",")[0]) == pytest.approx(one, abs=1e-4)
+
+
+@pytest.mark.parametrize("flags", [("--lang-pairs", "en-xx,en-yy"),
+                                   ("--lang-pairs", "en-xx,en-yy", "--source-lang", "en", "--target-lang", "yy")],
+                         ids=["train", "generate"])
+def test_the_languages_of_the_pairs_are_a_valid_language_list(ml_data_bin, tmp_path, flags):
+    """The control: without --langs or --lang-dict fairseq infers the languages from --lang-pairs (a string when the
+    checks run): the task is set up as fairseq sets it up."""
+    from fairseq import tasks
+
+    args = parse_train(train_argv(ml_data_bin, tmp_path, "--task", "moe_translation_multi_simple_epoch",
+                                  "--encoder-langtok", "src", "--decoder-langtok", *flags))
+    task = tasks.setup_task(args)
+    assert sorted(task.langs) == ["en", "xx", "yy"]
+    assert task.lang_pairs == (["en-yy"] if "--source-lang" in flags else ["en-xx", "en-yy"])  # (fairseq's rule)
+
+
+def test_a_language_of_the_pairs_without_a_dictionary_is_one_line(ml_data_bin, tmp_path, capsys):
+    """No --langs: zz is a language (of the pairs), and its missing dictionary is named."""
+    code, errors = one_line(capsys, door_train(ml_train(ml_data_bin, tmp_path / "save", "--lang-pairs", "en-xx,en-zz")))
+    assert code == 2 and len(errors) == 1 and "--lang-pairs en-zz: no dictionary" in errors[0], errors
