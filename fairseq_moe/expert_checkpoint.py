@@ -178,27 +178,43 @@ def journal_problem(folder, journal, save_id, suffix):
         if m and m.group("save_id") == save_id and os.path.join(folder, m.group("final")) not in ours:
             return f"{name} was staged by this save but is not one of the {W} ranks' files it commits"
     for name in commit:
-        for staged, final in committed_files(os.path.join(folder, name), journal):
+        base = os.path.join(folder, name)
+        for staged, final in committed_files(base, journal):
             if os.path.lexists(staged):
                 if _regular(staged) is None:
                     return f"{staged} is not a regular file (a link?)"
-            elif not os.path.lexists(final):
+                continue
+            if not os.path.lexists(final):
                 return f"{final} is missing (neither staged by this save nor renamed)"
-            elif saved_by(final) != save_id:
+            info = manifest_at(final)
+            if info.get("save_id") != save_id:
                 return f"{final} is not this save's (and nothing of this save is staged for it)"
+            if info.get("world_size") != W:
+                return f"{final} is of this save of {info.get('world_size')} ranks, not {W}"
+        for old in set_files(base):  # (what the switch removes as a larger, earlier run's must not be this save's)
+            rank = _SHARD.match(old).group("rank")
+            if rank is not None and int(rank) >= W and manifest_at(old).get("save_id") == save_id:
+                return f"{old} is this save's, beyond its world size {W}"
     return None
 
 
-def saved_by(path):
-    """The save id in the manifest of the checkpoint file path, or None (missing, unreadable, a link)."""
+def manifest_at(path):
+    """The manifest of the checkpoint file path (a shared file's, or a rank file's own), or {} (missing,
+    unreadable, not a regular file)."""
     if _regular(path) is None:
-        return None
+        return {}
     try:
         state = read_file(path, mmap=True)
     except CheckpointError:
-        return None
+        return {}
     info = (state.get("moe_shard") or manifest_of(state)) if isinstance(state, dict) else None
-    return info.get("save_id") if isinstance(info, dict) else None
+    return info if isinstance(info, dict) else {}
+
+
+def saved_by(path):
+    """The save id in the manifest of the checkpoint file path, when it is one (32 hex digits), else None."""
+    sid = manifest_at(path).get("save_id")
+    return sid if isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{32}", sid) else None
 
 
 def committed_files(base, journal):

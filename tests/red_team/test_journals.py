@@ -16,7 +16,8 @@ from fairseq_moe import commit
 from fairseq_moe import expert_checkpoint as shards
 
 W, E = 2, 2
-OURS, THEIRS, NEW = "a" * 32, "b" * 32, "c" * 32  # the save on disk; another run's; a stopped save of this run
+# the save on disk; another run's; a stopped save of this run; an earlier save of this run
+OURS, THEIRS, NEW, EARLIER = "a" * 32, "b" * 32, "c" * 32, "d" * 32
 
 
 def write_set(folder, name, save_id, staged=False, world_size=W):
@@ -86,7 +87,7 @@ CRAFTED = [
      "it commits no set"),
     ("copied from another run, retires checkpoint_last", plain(journal(commit=["checkpoint_1_2"],
                                                                        retire=["checkpoint_last"])),
-     "checkpoint_1_2-shared.pt is missing"),
+     "checkpoint_1_2-shared.pt is not this save's"),
     ("world_size 1 over a 2-rank set", plain(journal(world_size=1)), "checkpoint_last-shared.pt is not this save's"),
     ("world_size 1 with a rank-1 file staged", beyond_world, "was staged by this save but is not one of the 1 ranks'"),
     ("world_size 10**9", plain(journal(world_size=10 ** 9)), "world_size (1..65536)"),
@@ -104,7 +105,14 @@ CRAFTED = [
     ("not UTF-8", lambda path: open(path, "wb").write(b"\xff\xfe{}"), "not JSON"),
     ("a list", plain("[]"), "not a journal"),
     ("names that are no strings", plain(journal(commit=[1])), "not a journal"),
+    # with the id of the save on disk (read off its files): the world size must still be the files'
+    ("the set's own id, world_size 1", plain(journal(save_id=OURS, world_size=1)), "of this save of 2 ranks, not 1"),
+    ("the set's own id, world_size 3", plain(journal(save_id=OURS, world_size=3)), "of this save of 2 ranks, not 3"),
+    ("the set's own id, retiring a real set", plain(journal(save_id=OURS, world_size=1, retire=["checkpoint_1_2"])),
+     "of this save of 2 ranks, not 1"),
 ]
+JOURNAL_ID = {"the set's own id, world_size 1": OURS, "the set's own id, world_size 3": OURS,
+              "the set's own id, retiring a real set": OURS}
 
 
 @pytest.fixture
@@ -127,7 +135,8 @@ def within(seconds, fn):
 
 @pytest.mark.parametrize("case, make, why", CRAFTED, ids=[c[0] for c in CRAFTED])
 def test_a_journal_this_run_did_not_write_is_left_alone(folder, caplog, case, make, why):
-    path = shards.journal_path(str(folder), THEIRS)
+    write_set(str(folder), "checkpoint_1_2", EARLIER)  # (a set a journal could commit or retire)
+    path = shards.journal_path(str(folder), JOURNAL_ID.get(case, THEIRS))
     make(path)
     before = snapshot(folder)
     caplog.set_level(logging.WARNING)
