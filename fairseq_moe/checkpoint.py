@@ -576,7 +576,11 @@ def resume_past_damage(last, suffix):
         raise type(damage)(f"{damage}; no other complete checkpoint set of this run is in {folder} to resume "
                            f"from, so nothing was loaded or changed")
     base, core, updates = newest
-    aside = commit.set_aside(found[1], suffix)
+    try:
+        aside = commit.set_aside(found[1], suffix)
+    except OSError as e:
+        raise CheckpointError(f"{damage}; its files cannot be moved aside for a resume from {shards.shared_path(base)} "
+                              f"({commit.error_line(e)}): nothing was loaded") from None
     restore = os.path.join(folder, f"checkpoint{core}.pt")
     found = shards.resolve(f"{base}.pt")  # (a single file of that name saved later would be taken)
     plain = aside[:len(aside) - len(suffix or "")] if suffix else aside

@@ -95,7 +95,24 @@ def write_journal(folder, save_id, suffix, world_size, commit, retire):
     return path, journal
 
 
-def switch(folder, journal, path, renamed_all=None):
+def keep_late_file(final, suffix=""):
+    """final, about to be replaced by a save, when it is a file of a set moved aside (set_aside: it carries that
+    set's save id) that arrived under its old name since (a copy still running then): moved to the set's new name
+    instead, so that no save replaces it. Looked at only where the folder holds such a set."""
+    folder, base = os.path.dirname(final) or ".", shards.set_base(final)
+    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
+    if not os.path.lexists(final) or not any(n.startswith(os.path.basename(core) + ".damaged-")
+                                             for n in os.listdir(folder)):
+        return
+    tag = shards.saved_by(final)
+    aside = f"{core}.damaged-{tag[:8]}{suffix or ''}" if tag else None
+    if aside and shards.set_files(aside):
+        rename_new(final, aside + final[len(base):])
+        logger.warning("%s belongs to the set moved aside as %s (it arrived after the move): moved there too, not "
+                       "replaced", final, aside)
+
+
+def switch(folder, journal, path, renamed_all=None, suffix=""):
     """Step 4, from the journal at path (every part can be redone): the staged files take their names,
     rank files beyond the save's world size go (a set of an earlier, larger run); once every committed file
     is in place (renamed here or by a reader; else SaveError, and the journal and the retired sets stay),
@@ -105,12 +122,15 @@ def switch(folder, journal, path, renamed_all=None):
     for name in journal["commit"]:
         base = os.path.join(folder, name)
         for staged, final in shards.committed_files(base, journal):
+            if os.path.lexists(staged):
+                keep_late_file(final, suffix)
             with contextlib.suppress(FileNotFoundError):
                 os.replace(staged, final)
                 renamed += 1
         for old in shards.set_files(base):
             rank = shards._SHARD.match(old).group("rank")
             if rank is not None and int(rank) >= W:
+                keep_late_file(old, suffix)
                 _remove(old)
     fsync_folder(folder)
     for name in journal["commit"]:
@@ -141,7 +161,7 @@ def recover(folder, suffix):
         return
     for path, journal in shards.journals(folder, suffix or ""):
         try:
-            n = switch(folder, journal, path)
+            n = switch(folder, journal, path, suffix=suffix or "")
         except SaveError as e:  # (a file of the committed save went since: the resume falls back to another set)
             logger.warning(f"{e}: the journal and the sets it retires are left as they are")
             continue
@@ -178,10 +198,15 @@ def set_aside(base, suffix=""):
 
 
 def rename_new(src, dst):
-    """os.rename(src, dst) that fails with FileExistsError when dst exists (a dangling link too)."""
+    """os.rename(src, dst) that fails with FileExistsError when dst exists (a dangling link too), unless dst is
+    src already (a rename stopped between its link and its unlink: finished here)."""
     try:
         os.link(src, dst, follow_symlinks=False)
     except FileExistsError:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(src, dst) and not os.path.islink(dst):
+                os.unlink(src)
+                return
         raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
     except OSError:  # (no hard links on this file system)
         if os.path.lexists(dst):
@@ -310,7 +335,7 @@ class SetSave:
             return False, error_line(e)
         self._step("committed")
         try:
-            switch(self.folder, journal, path, renamed_all=lambda: self._step("switched"))
+            switch(self.folder, journal, path, renamed_all=lambda: self._step("switched"), suffix=self.suffix)
         except Exception as e:
             return True, error_line(e)
         logger.info("committed the checkpoint sets %s (%d ranks)%s", ", ".join(sorted(commit)), self.world_size,

@@ -207,3 +207,40 @@ def test_a_read_only_folder_names_the_staged_file_not_yet_renamed(folder, monkey
         shards.resolve(str(folder / "checkpoint_last.pt"))
     assert f"{shards.staged_path(str(folder / 'checkpoint_last-rank-0.pt'), NEW)} cannot be renamed" in str(e.value)
     assert "Read-only file system" in str(e.value)
+
+
+def test_a_file_of_a_set_moved_aside_that_arrives_later_is_never_replaced(tmp_path, caplog):
+    """checkpoint_last's rank-1 file is missing because a copy is still running: the resume moves the set aside
+    (commit.set_aside), then the copy lands the file under its old name; this run's next save of checkpoint_last
+    moves it to the set's new name instead of renaming over it, and both sets are whole."""
+    folder = str(tmp_path)
+    write_set(folder, "checkpoint_last", OURS)
+    late = (tmp_path / "checkpoint_last-rank-1.pt").read_bytes()
+    os.remove(tmp_path / "checkpoint_last-rank-1.pt")
+    aside = commit.set_aside(str(tmp_path / "checkpoint_last"))
+    assert aside == str(tmp_path / f"checkpoint_last.damaged-{OURS[:8]}")
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint_last.damaged-{OURS[:8]}-{p}.pt" for p in ("rank-0", "shared")]
+    (tmp_path / "checkpoint_last-rank-1.pt").write_bytes(late)  # the copy finishes
+    write_set(folder, "checkpoint_last", NEW, staged=True)  # the next save, committed
+    path, journal = commit.write_journal(folder, NEW, "", W, ["checkpoint_last"], [])
+    caplog.set_level(logging.WARNING)
+    commit.switch(folder, journal, path)
+    assert (tmp_path / f"checkpoint_last.damaged-{OURS[:8]}-rank-1.pt").read_bytes() == late
+    shards.check_set(aside)
+    shards.check_set(str(tmp_path / "checkpoint_last"))
+    assert shards.saved_by(str(tmp_path / "checkpoint_last-rank-1.pt")) == NEW
+    assert "checkpoint_last-rank-1.pt belongs to the set moved aside" in caplog.text
+
+
+def test_a_move_aside_stopped_half_way_goes_on_under_the_same_name(tmp_path):
+    """Killed during set_aside: the shared file renamed, the rank-0 file linked to its new name but not yet
+    unlinked. The next move finishes under the same name (the set's save id), losing nothing."""
+    folder = str(tmp_path)
+    write_set(folder, "checkpoint_last", OURS)
+    aside = str(tmp_path / f"checkpoint_last.damaged-{OURS[:8]}")
+    os.rename(tmp_path / "checkpoint_last-shared.pt", aside + "-shared.pt")
+    os.link(tmp_path / "checkpoint_last-rank-0.pt", aside + "-rank-0.pt")
+    assert commit.set_aside(str(tmp_path / "checkpoint_last")) == aside
+    assert sorted(os.listdir(tmp_path)) == [f"checkpoint_last.damaged-{OURS[:8]}-{p}.pt"
+                                            for p in ("rank-0", "rank-1", "shared")]
+    shards.check_set(aside)
