@@ -96,10 +96,11 @@ def _atomic_copy(src, dst, overwrite):
     return True
 
 
-def persistent_save(obj, filename, async_write=False):
+def persistent_save(obj, filename, async_write=False, replaced=None):
     """fairseq's torch_persistent_save during a save of an MoE model on one process: the file written whole
     as NAME.tmp, flushed, then renamed (fairseq's atomic save), without fairseq's three tries and logged
-    traceback; a failure to write is an OSError naming the file (save_checkpoint makes it a SaveError)."""
+    traceback; a failure to write is an OSError naming the file (save_checkpoint makes it a SaveError).
+    replaced: a list the name is added to once it is replaced."""
     if async_write:  # (iopath's asynchronous writer: fairseq's own)
         return patches.original(_CKPT, "torch_persistent_save")(obj, filename, async_write=True)
     try:
@@ -108,6 +109,8 @@ def persistent_save(obj, filename, async_write=False):
         commit.remove_quietly(filename + ".tmp")
         raise
     os.replace(filename + ".tmp", filename)
+    if replaced is not None:
+        replaced.append(filename)
 
 
 def load_checkpoint_file(path, arg_overrides=None, mmap=False):
@@ -259,13 +262,17 @@ class SaveInProgress:
 
     def __init__(self, path_manager, sets=None, master=False):
         self._pm, self.sets, self.master = path_manager, sets, master
+        self.replaced = []  # (one process: the files this save has replaced so far, each whole)
 
     def __getattr__(self, name):  # the rest of PathManager, and of os
         return getattr(self._pm, name)
 
     def copy(self, src, dst, overwrite=False):
         if self.sets is None:
-            return _atomic_copy(src, dst, overwrite)
+            copied = _atomic_copy(src, dst, overwrite)
+            if copied:
+                self.replaced.append(dst)
+            return copied
         self.sets.copy(src, dst)
         if self.master:
             self.sets.copy(shards.shared_path(shards.set_base(src)), shards.shared_path(shards.set_base(dst)))
@@ -349,14 +356,17 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
     try:
         with patches.scoped(checkpoint_utils, "PathManager", save), \
                 patches.scoped(checkpoint_utils, "os", OsDuringSave(save)), \
-                patches.scoped(checkpoint_utils, "torch_persistent_save", persistent_save):
+                patches.scoped(checkpoint_utils, "torch_persistent_save",
+                               functools.partial(persistent_save, replaced=save.replaced)):
             out = fairseq_save(cfg, trainer, epoch_itr, val_loss)
     except Exception as e:
         if sets is None:
             if commit.os_error_in(e) is None:
                 raise
-            raise SaveError(f"the checkpoint save in {cfg.save_dir} failed ({commit.error_line(e)}); nothing was "
-                            f"replaced: the previous checkpoints are as they were") from e
+            done = ", ".join(os.path.basename(f) for f in save.replaced)
+            raise SaveError(f"the checkpoint save in {cfg.save_dir} failed ({commit.error_line(e)}); " + (
+                f"it had replaced {done} (each whole); the other checkpoints are as they were" if done else
+                "nothing was replaced: the previous checkpoints are as they were")) from e
         error = e  # the other ranks must hear of it before anyone raises
     finally:
         run_state(trainer).save = None

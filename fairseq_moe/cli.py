@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .compat import launcher_rank
 from .errors import CheckpointError, FlagError, SaveError
+from .new_files import one_line
 
 
 def _rank():
@@ -29,7 +30,7 @@ def one_line_errors(main):
             return main(*args, **kwargs)
         except (FlagError, CheckpointError, SaveError) as e:
             if _rank() == 0:
-                print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {e}", file=sys.stderr, flush=True)
+                print(f"{os.path.basename(sys.argv[0]) or 'fairseq'}: error: {one_line(e)}", file=sys.stderr, flush=True)
             else:
                 _after_rank0()
             raise SystemExit(1 if isinstance(e, SaveError) else 2) from None

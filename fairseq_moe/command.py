@@ -31,12 +31,12 @@ def parser(prog, doc, **kwargs):
 
 
 def disk_failed(e):
-    """Whether an OSError is the disk failing a write (full, over quota, an I/O error), not bad input:
-    new_files.Writer reports torch's zip writer's failure as an OSError caused by a RuntimeError."""
+    """Whether an OSError is the disk failing a write (full, over quota, an I/O error, a file-size limit), not bad
+    input: new_files.Writer reports it as an OSError caused by the one the write met (under torch's RuntimeError)."""
     while e is not None:
-        if isinstance(e, RuntimeError) or isinstance(e, OSError) and e.errno in DISK_ERRNOS:
-            return True
-        e = e.__cause__
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS or isinstance(e, RuntimeError) and "write" in str(e).lower():
+            return True  # (torch's own writer: "PytorchStreamWriter failed writing file ...")
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return False
 
 

@@ -56,6 +56,8 @@ def write_synced(obj, path):
         io = os_error_in(e)
         if io is None or io.filename is not None:
             raise
+        if io.errno is None:
+            raise OSError(f"{path}: {one_line(io)}") from e
         raise OSError(io.errno, io.strerror or str(io), path) from e
 
 
@@ -323,11 +325,13 @@ class SetSave:
         if not commit:  # (only sets to retire: nothing to switch, and a journal must commit something)
             try:
                 for name in sorted(retire):
-                    for old in shards.set_files(os.path.join(self.folder, name)):
+                    base = os.path.join(self.folder, name)
+                    for old in shards.set_files(base) + [staged for staged, _ in shards.committed_files(base, journal)]:
                         _remove(old)
             except Exception as e:
                 return True, error_line(e)
-            logger.info("retired the checkpoint sets %s (%d ranks)", ", ".join(sorted(retire)), self.world_size)
+            if retire:
+                logger.info("retired the checkpoint sets %s (%d ranks)", ", ".join(sorted(retire)), self.world_size)
             return None
         try:
             path, journal = write_journal(self.folder, self.save_id, self.suffix, self.world_size, commit, retire)

@@ -26,7 +26,7 @@ def os_error_in(e):
         if isinstance(e, OSError):
             return e
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return None
 
 
@@ -75,7 +75,10 @@ class Writer:
             tmp = os.path.join(self.staging, os.path.basename(path))
             st = write_exclusive(obj, tmp, dump)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-            cause = os_error_in(e) or e
+            cause = os_error_in(e)
+            if cause is None and not (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+                raise  # (a bug: its traceback is kept)
+            cause = cause or e
             raise OSError(f"{path}: cannot write it ({type(cause).__name__}: {one_line(cause)})") from e
         _publish(tmp, path)
         self.published.append((path, (st.st_dev, st.st_ino)))

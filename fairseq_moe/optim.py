@@ -492,6 +492,8 @@ def check_resumed_precision(state, common, path, reset_optimizer):
     if reset_optimizer or not history or state.get("last_optimizer_state") is None:
         return
     saved = history[-1].get("optimizer_name")
+    if saved == "FairseqBMUF":  # (--use-bmuf wraps whichever optimizer: its name does not say; fairseq's check)
+        return
     half_now = bool(common.fp16 or common.bf16 or common.amp)
     if (saved in HALF_PRECISION) == half_now:
         return

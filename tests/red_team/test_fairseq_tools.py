@@ -146,6 +146,7 @@ PRECISION = [  # (the saved optimizer's name, this run's flags, refused: the fla
     ("FP16Optimizer", {"bf16": True}, None),
     ("FairseqAdam", {}, None),
     ("FP16Optimizer", {"reset_optimizer": True}, None),
+    ("FairseqBMUF", {"fp16": True}, None),  # (--use-bmuf --fp16: the wrapper's name says nothing of precision)
 ]
 
 
