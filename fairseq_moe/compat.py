@@ -120,7 +120,8 @@ def torchrun_on_cpu(infer_init_method):
 
 LAUNCHERS = {"TORCHELASTIC_RUN_ID", "FAIRSEQ_MOE_LAUNCH_RANK"}  # a launcher inside the step: its ranks, not Slurm's
 NOT_ONE_STEP = "these tasks are not one srun step (srun gives each task of a step its own SLURM_* variables)"
-MEET_SECONDS = 30.0  # how long a task waits for the others of its step at --distributed-port
+MEET_SECONDS = 120.0  # how long a task waits for the others of its step at --distributed-port (a large job's
+# tasks can start tens of seconds apart: a healthy start must not be taken for a missing task)
 MEET_SECONDS_VAR = "FAIRSEQ_MOE_SLURM_MEET_SECONDS"
 _MEET_PREFIX = "fairseq_moe/slurm/"  # the meeting's keys in the store (torch's own keys have other names)
 
