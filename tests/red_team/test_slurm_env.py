@@ -184,7 +184,7 @@ def main():
     dist.init_process_group("gloo", init_method="env://")
     total = torch.ones(1)
     dist.all_reduce(total)
-    sys.stdout.write(f"met {dist.get_rank()} {int(total.item())}\n")  # (one write: the tasks share a pipe)
+    sys.stdout.write(f"met {dist.get_rank()} {int(total.item())}\\n")  # (one write: the tasks share a pipe)
     sys.stdout.flush()
     dist.destroy_process_group()
 
