@@ -262,7 +262,8 @@ class SaveInProgress:
 
     def __init__(self, path_manager, sets=None, master=False):
         self._pm, self.sets, self.master = path_manager, sets, master
-        self.replaced = []  # (one process: the files this save has replaced so far, each whole)
+        self.replaced, self.removed = [], []  # (one process: the files this save has written so far, each whole,
+        # and those --keep-* has removed)
 
     def __getattr__(self, name):  # the rest of PathManager, and of os
         return getattr(self._pm, name)
@@ -303,6 +304,7 @@ class OsDuringSave:
     def remove(self, path):
         if self._save.sets is None:
             os.remove(path)
+            self._save.removed.append(path)
         else:
             self._save.rm(path)
 
@@ -363,9 +365,10 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
         if sets is None:
             if commit.os_error_in(e) is None:
                 raise
-            done = ", ".join(os.path.basename(f) for f in save.replaced)
+            done = [f"it had written {', '.join(map(os.path.basename, save.replaced))} (each whole)"] * bool(
+                save.replaced) + [f"removed {', '.join(map(os.path.basename, save.removed))}"] * bool(save.removed)
             raise SaveError(f"the checkpoint save in {cfg.save_dir} failed ({commit.error_line(e)}); " + (
-                f"it had replaced {done} (each whole); the other checkpoints are as they were" if done else
+                f"{' and '.join(done)}; the other checkpoints are as they were" if done else
                 "nothing was replaced: the previous checkpoints are as they were")) from e
         error = e  # the other ranks must hear of it before anyone raises
     finally:

@@ -62,9 +62,15 @@ def write_synced(obj, path):
 
 
 def copy_synced(src, dst):
+    """src copied to the new file dst, flushed to disk. A failure to write is an OSError naming dst."""
     _fresh(dst)
     with open(src, "rb") as a:
-        write_exclusive(a, dst, dump=lambda a, b: shutil.copyfileobj(a, b, 1 << 22))
+        try:
+            write_exclusive(a, dst, dump=lambda a, b: shutil.copyfileobj(a, b, 1 << 22))
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), dst) from e
 
 
 def _remove(path):
@@ -97,23 +103,6 @@ def write_journal(folder, save_id, suffix, world_size, commit, retire):
     return path, journal
 
 
-def keep_late_file(final, suffix=""):
-    """final, about to be replaced by a save, when it is a file of a set moved aside (set_aside: it carries that
-    set's save id) that arrived under its old name since (a copy still running then): moved to the set's new name
-    instead, so that no save replaces it. Looked at only where the folder holds such a set."""
-    folder, base = os.path.dirname(final) or ".", shards.set_base(final)
-    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
-    if not os.path.lexists(final) or not any(n.startswith(os.path.basename(core) + ".damaged-")
-                                             for n in os.listdir(folder)):
-        return
-    tag = shards.saved_by(final)
-    aside = f"{core}.damaged-{tag[:8]}{suffix or ''}" if tag else None
-    if aside and shards.set_files(aside):
-        rename_new(final, aside + final[len(base):])
-        logger.warning("%s belongs to the set moved aside as %s (it arrived after the move): moved there too, not "
-                       "replaced", final, aside)
-
-
 def switch(folder, journal, path, renamed_all=None, suffix=""):
     """Step 4, from the journal at path (every part can be redone): the staged files take their names,
     rank files beyond the save's world size go (a set of an earlier, larger run); once every committed file
@@ -125,14 +114,14 @@ def switch(folder, journal, path, renamed_all=None, suffix=""):
         base = os.path.join(folder, name)
         for staged, final in shards.committed_files(base, journal):
             if os.path.lexists(staged):
-                keep_late_file(final, suffix)
+                shards.keep_late_file(final, suffix)
             with contextlib.suppress(FileNotFoundError):
                 os.replace(staged, final)
                 renamed += 1
         for old in shards.set_files(base):
             rank = shards._SHARD.match(old).group("rank")
             if rank is not None and int(rank) >= W:
-                keep_late_file(old, suffix)
+                shards.keep_late_file(old, suffix)
                 _remove(old)
     fsync_folder(folder)
     for name in journal["commit"]:
@@ -167,6 +156,9 @@ def recover(folder, suffix):
         except SaveError as e:  # (a file of the committed save went since: the resume falls back to another set)
             logger.warning(f"{e}: the journal and the sets it retires are left as they are")
             continue
+        except OSError as e:  # (the folder cannot be changed: the next recovery tries again)
+            logger.warning(f"{path}: its switch cannot be finished now ({error_line(e)}); left as it is")
+            continue
         logger.info("finished the save %s committed before a stop: %d file(s) renamed, sets %s in place%s",
                     os.path.basename(path), n, ", ".join(journal["commit"]),
                     f", {', '.join(journal['retire'])} retired" if journal["retire"] else "")
@@ -191,31 +183,11 @@ def set_aside(base, suffix=""):
     stopped half-way goes on under the same name), else a new one. Never over a file. Returns the new NAME."""
     files = shards.set_files(base)
     tag = next(filter(None, map(shards.saved_by, files)), None) or shards.new_save_id()
-    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
-    aside = f"{core}.damaged-{tag[:8]}{suffix or ''}"
+    aside = shards.aside_name(base, suffix, tag)
     for path in files:
-        rename_new(path, aside + path[len(base):])
+        shards.rename_new(path, aside + path[len(base):])
     fsync_folder(os.path.dirname(base) or ".")
     return aside
-
-
-def rename_new(src, dst):
-    """os.rename(src, dst) that fails with FileExistsError when dst exists (a dangling link too), unless dst is
-    src already (a rename stopped between its link and its unlink: finished here)."""
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except FileExistsError:
-        with contextlib.suppress(OSError):
-            if os.path.samefile(src, dst) and not os.path.islink(dst):
-                os.unlink(src)
-                return
-        raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
-    except OSError:  # (no hard links on this file system)
-        if os.path.lexists(dst):
-            raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
-        os.rename(src, dst)
-        return
-    os.unlink(src)
 
 
 class SetSave:
@@ -333,6 +305,12 @@ class SetSave:
             if retire:
                 logger.info("retired the checkpoint sets %s (%d ranks)", ", ".join(sorted(retire)), self.world_size)
             return None
+        try:  # (before the commit point: a late file that cannot be kept means nothing is replaced)
+            for name in sorted(commit):
+                for old in shards.set_files(os.path.join(self.folder, name)):
+                    shards.keep_late_file(old, self.suffix)
+        except OSError as e:
+            return False, error_line(e)
         try:
             path, journal = write_journal(self.folder, self.save_id, self.suffix, self.world_size, commit, retire)
         except Exception as e:

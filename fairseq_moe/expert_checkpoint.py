@@ -19,6 +19,7 @@ their optimizer state are cut from the old ranks' slices, read memory-mapped. No
 this is the file format, used by the trainer hooks (checkpoint.py) and reshard/consolidate.
 """
 import contextlib
+import filecmp
 import glob
 import json
 import logging
@@ -96,7 +97,7 @@ def journals(folder, suffix=None):
             if journal is not None:
                 why = journal_problem(folder, journal, m.group("save_id"), m.group("suffix"))
             if why is None:
-                out.append((journal["mtime"], path, journal))
+                out.append((journal["mtime"], path, dict(journal, suffix=m.group("suffix"))))
             elif why is not _GONE:
                 _warn_once(path, why)
     return [(path, journal) for _, path, journal in sorted(out)]
@@ -172,6 +173,10 @@ def journal_problem(folder, journal, save_id, suffix):
             return f"{name!r} is not a checkpoint name of this run (--checkpoint-suffix {suffix!r})"
     if set(commit) & set(retire):
         return f"it both commits and retires {sorted(set(commit) & set(retire))[0]}"
+    for name in retire:  # (a save retires sets of earlier saves only: commit and retire are disjoint)
+        for path in set_files(os.path.join(folder, name)):
+            if saved_by(path) == save_id:
+                return f"it retires {path}, which is this save's"
     ours = {final for name in commit + retire for _, final in committed_files(os.path.join(folder, name), journal)}
     for name in os.listdir(folder):
         m = STAGED.match(name)
@@ -217,6 +222,59 @@ def saved_by(path):
     return sid if isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{32}", sid) else None
 
 
+def aside_name(base, suffix, save_id):
+    """NAME.damaged-ID for the set base (with the run's --checkpoint-suffix): a name no rule of the run
+    (run_names) matches; it loads as a set by --restore-file NAME.damaged-ID.pt (fairseq adds the suffix)."""
+    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
+    return f"{core}.damaged-{save_id[:8]}{suffix or ''}"
+
+
+def rename_new(src, dst):
+    """os.rename(src, dst) that fails with FileExistsError when dst exists (a dangling link too), unless dst is
+    src already (a rename stopped between its link and its unlink: finished here)."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(src, dst) and not os.path.islink(dst):
+                os.unlink(src)
+                return
+        raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
+    except OSError:  # (no hard links on this file system)
+        if os.path.lexists(dst):
+            raise FileExistsError(f"{dst} exists: {src} is not renamed over it") from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)
+
+
+def keep_late_file(final, suffix=""):
+    """final, about to be replaced, when it is a file of a set moved aside (commit.set_aside: it carries that
+    set's save id) that arrived under its old name since (a copy still running then): moved to the set's new name,
+    or beside it as NAME.damaged-ID.late-N when that name is taken by another file, so that nothing replaces it;
+    a byte-identical copy of the file there is left to be replaced. Looked at only where the folder holds such a
+    set."""
+    folder, base = os.path.dirname(final) or ".", set_base(final)
+    core = base[:len(base) - len(suffix)] if suffix and base.endswith(suffix) else base
+    if _regular(final) is None or not any(n.startswith(os.path.basename(core) + ".damaged-") for n in os.listdir(folder)):
+        return
+    tag = saved_by(final)
+    aside = aside_name(base, suffix, tag) if tag else None
+    if not aside or not set_files(aside):
+        return
+    dst = aside + final[len(base):]
+    if os.path.lexists(dst):
+        if filecmp.cmp(final, dst, shallow=False):
+            return  # (the same bytes are kept aside already)
+        n = 1
+        while set_files(f"{aside}.late-{n}"):
+            n += 1
+        dst = f"{aside}.late-{n}" + final[len(base):]
+    rename_new(final, dst)
+    logger.warning("%s belongs to the set moved aside as %s (it arrived after the move): kept as %s, not replaced",
+                   final, aside, dst)
+
+
 def committed_files(base, journal):
     """[(staged, final)] of the set NAME in a committed save's journal: its shared and rank files."""
     W, sid = journal["world_size"], journal["save_id"]
@@ -236,6 +294,7 @@ def finish_renames(base):
             if _regular(staged) is None:
                 continue  # renamed already (or by someone else just now)
             try:
+                keep_late_file(final, journal["suffix"])
                 os.replace(staged, final)
             except FileNotFoundError:
                 pass  # (renamed by someone else just now)

@@ -80,6 +80,12 @@ def beyond_world(path):
     plain(journal(commit=["checkpoint_1_8"], world_size=1))(path)
 
 
+def retires_its_own(path):
+    """The id of the save on disk, which wrote checkpoint_3_300 and checkpoint_last: commits one, retires the other."""
+    write_set(os.path.dirname(path), "checkpoint_3_300", OURS)
+    plain(journal(save_id=OURS, commit=["checkpoint_3_300"], retire=["checkpoint_last"]))(path)
+
+
 # (case, how the journal is made, what its warning says)
 CRAFTED = [
     ("retires another name", plain(journal(retire=["precious"])), "'precious' is not a checkpoint name of this run"),
@@ -110,9 +116,9 @@ CRAFTED = [
     ("the set's own id, world_size 3", plain(journal(save_id=OURS, world_size=3)), "of this save of 2 ranks, not 3"),
     ("the set's own id, retiring a real set", plain(journal(save_id=OURS, world_size=1, retire=["checkpoint_1_2"])),
      "of this save of 2 ranks, not 1"),
+    ("the set's own id, retiring a set of that save", retires_its_own, "checkpoint_last-shared.pt, which is this save's"),
 ]
-JOURNAL_ID = {"the set's own id, world_size 1": OURS, "the set's own id, world_size 3": OURS,
-              "the set's own id, retiring a real set": OURS}
+JOURNAL_ID = {case: OURS for case, *_ in CRAFTED if case.startswith("the set's own id")}
 
 
 @pytest.fixture
@@ -177,7 +183,7 @@ def test_a_journal_of_this_run_stopped_before_its_renames_is_finished(folder, ca
 def test_a_journal_stopped_in_its_deletions_is_finished(folder):
     """The control: every committed file renamed already (each carries the save's id), a retired set half
     deleted: recover() finishes the deletions and removes the journal."""
-    write_set(str(folder), "checkpoint_1_2", OURS)
+    write_set(str(folder), "checkpoint_1_2", EARLIER)  # (an earlier save's)
     os.remove(folder / "checkpoint_1_2-rank-0.pt")
     commit.write_journal(str(folder), OURS, "", W, ["checkpoint_last"], ["checkpoint_1_2"])
     commit.recover(str(folder), "")
@@ -244,3 +250,50 @@ def test_a_move_aside_stopped_half_way_goes_on_under_the_same_name(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f"checkpoint_last.damaged-{OURS[:8]}-{p}.pt"
                                             for p in ("rank-0", "rank-1", "shared")]
     shards.check_set(aside)
+
+
+@pytest.mark.parametrize("copy", ["another file", "the same bytes"])
+def test_a_late_file_whose_new_name_is_taken_is_kept_beside_it(tmp_path, copy):
+    """The set was moved aside whole (a truncated rank file), then a copy lands every file under the old names
+    again: a save moves each file that differs from the one kept aside to NAME.damaged-ID.late-1 (before its
+    commit), and leaves one of the same bytes to be replaced; the save is made, nothing of either is lost."""
+    folder = str(tmp_path)
+    write_set(folder, "checkpoint_last", OURS)
+    whole = {p: (tmp_path / f"checkpoint_last-{p}.pt").read_bytes() for p in ("shared", "rank-0", "rank-1")}
+    (tmp_path / "checkpoint_last-rank-1.pt").write_bytes(whole["rank-1"][:len(whole["rank-1"]) // 2])
+    aside = commit.set_aside(str(tmp_path / "checkpoint_last"))
+    if copy == "the same bytes":  # (the aside rank-1 file is the whole one)
+        (tmp_path / f"checkpoint_last.damaged-{OURS[:8]}-rank-1.pt").write_bytes(whole["rank-1"])
+    for part, data in whole.items():
+        (tmp_path / f"checkpoint_last-{part}.pt").write_bytes(data)
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if ".damaged-" in n}
+    sets = commit.SetSave(folder, NEW, 0, 1, gather=lambda obj: [obj])
+    write_set(folder, "checkpoint_last", NEW, staged=True, world_size=1)
+    sets.staged = [str(tmp_path / "checkpoint_last-shared.pt"), str(tmp_path / "checkpoint_last-rank-0.pt")]
+    sets.finish()
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    late = sorted(n for n in os.listdir(tmp_path) if ".late-" in n)
+    if copy == "another file":
+        assert late == [f"checkpoint_last.damaged-{OURS[:8]}.late-1-rank-1.pt"], late
+        assert (tmp_path / late[0]).read_bytes() == whole["rank-1"]
+    else:
+        assert late == []
+    shards.check_set(aside) if copy == "the same bytes" else None
+    shards.check_set(str(tmp_path / "checkpoint_last"))
+    assert shards.saved_by(str(tmp_path / "checkpoint_last-shared.pt")) == NEW
+
+
+def test_a_reader_finishing_a_switch_keeps_a_late_file_too(tmp_path):
+    """A save killed after its commit, a late file of the moved-aside set under its old name: fairseq-generate (a
+    reader) finishing the renames moves the late file to the set's name first."""
+    folder = str(tmp_path)
+    write_set(folder, "checkpoint_last", OURS)
+    late = (tmp_path / "checkpoint_last-rank-1.pt").read_bytes()
+    os.remove(tmp_path / "checkpoint_last-rank-1.pt")
+    aside = commit.set_aside(str(tmp_path / "checkpoint_last"))
+    (tmp_path / "checkpoint_last-rank-1.pt").write_bytes(late)
+    write_set(folder, "checkpoint_last", NEW, staged=True)
+    commit.write_journal(folder, NEW, "", W, ["checkpoint_last"], [])
+    assert shards.resolve(str(tmp_path / "checkpoint_last.pt"))[:2] == ("set", str(tmp_path / "checkpoint_last"))
+    shards.check_set(aside)
+    assert shards.saved_by(str(tmp_path / "checkpoint_last-rank-1.pt")) == NEW
