@@ -47,30 +47,32 @@ def _fresh(path):
         os.remove(path)
 
 
-def write_synced(obj, path):
-    """torch.save(obj) to the new file path, flushed to disk. A failure to write is an OSError naming path."""
-    _fresh(path)
+@contextlib.contextmanager
+def _named(path):
+    """A failure to write the file path inside is an OSError naming it (torch's zip writer hides the OSError under
+    a RuntimeError, and a write's own OSError has no file name)."""
     try:
-        write_exclusive(obj, path)
+        yield
     except Exception as e:
         io = os_error_in(e)
         if io is None or io.filename is not None:
             raise
-        if io.errno is None:
-            raise OSError(f"{path}: {one_line(io)}") from e
-        raise OSError(io.errno, io.strerror or str(io), path) from e
+        raise (OSError(io.errno, io.strerror or str(io), path) if io.errno is not None
+               else OSError(f"{path}: {one_line(io)}")) from e
+
+
+def write_synced(obj, path):
+    """torch.save(obj) to the new file path, flushed to disk. A failure to write is an OSError naming path."""
+    _fresh(path)
+    with _named(path):
+        write_exclusive(obj, path)
 
 
 def copy_synced(src, dst):
     """src copied to the new file dst, flushed to disk. A failure to write is an OSError naming dst."""
     _fresh(dst)
-    with open(src, "rb") as a:
-        try:
-            write_exclusive(a, dst, dump=lambda a, b: shutil.copyfileobj(a, b, 1 << 22))
-        except OSError as e:
-            if e.filename is not None:
-                raise
-            raise OSError(e.errno, e.strerror or str(e), dst) from e
+    with open(src, "rb") as a, _named(dst):
+        write_exclusive(a, dst, dump=lambda a, b: shutil.copyfileobj(a, b, 1 << 22))
 
 
 def _remove(path):
