@@ -8,14 +8,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    # The folder kernels/ installs as the package fairseq_moe_kernels: a top-level "kernels" would
-    # overwrite (or be overwritten by) Hugging Face's `kernels` package. In a checkout, the symlink
-    # fairseq_moe_kernels -> kernels gives the same import name.
+    # Three packages, three floors: fairseq_moe (the glue, the only one that imports fairseq), fairseq_moe_layer,
+    # fairseq_moe_kernels (not "kernels": that would overwrite, or be overwritten by, Hugging Face's `kernels`).
     # The MoE layer is a package of its own, fairseq_moe_layer: a plain-PyTorch program imports it without
     # fairseq_moe/__init__ (the plugin's door to fairseq) ever running.
-    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "fairseq_moe_layer", "fairseq_moe_layer.*"])
-    + ["fairseq_moe_kernels"],
-    package_dir={"fairseq_moe_kernels": "kernels"},
+    packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "fairseq_moe_layer", "fairseq_moe_layer.*",
+                                    "fairseq_moe_kernels", "fairseq_moe_kernels.*"]),
     install_requires=[
         "torch>=2.1",
         # fairseq 0.12.2 does not install on Python 3.11; ve-fairseq ships fairseq 0.12.3 for it.
@@ -31,7 +29,7 @@ setup(
         # package) or, without it, tensorboardX: the small one.
         "tensorboardX",
     ],
-    # transformers: only to check NLLB-MoE conversions against its NllbMoe (tests/glue/test_nllb_moe.py); 4.57 is
+    # transformers: only to check NLLB-MoE conversions against its NllbMoe (tests/fairseq_moe/test_export_hf.py); 4.57 is
     # the last series with NllbMoe beside torch 2.13. Never needed to train.
     extras_require={"test": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.57,<4.58"],
                     "hf": ["transformers>=4.57,<4.58"]},

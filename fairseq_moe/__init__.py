@@ -32,6 +32,13 @@ def load_plugin():
         _loading.clear()
 
 
+def with_fairseq():
+    """The setup of a command that builds models (inspect, prune): fairseq imported, the plugin registered."""
+    import fairseq  # noqa: F401  (imported first: its import then runs load_plugin, through the finder below)
+
+    load_plugin()
+
+
 class _AfterFairseq(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """On sys.meta_path until fairseq is imported: fairseq's own loader runs, then load_plugin()."""
 

@@ -6,7 +6,7 @@ resumes on one process, and loads at any world size). Same as reshard with --wor
 import sys
 
 from . import reshard
-from .command import PROG
+from .checkpoints.command import PROG
 
 
 def main(argv=None):

@@ -30,12 +30,12 @@ import sys
 
 import torch
 
-from . import expert_checkpoint as shards
-from . import safe_eval
+from .checkpoints import sets as shards
+from .checkpoints import safe_load as safe_eval
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.routing import TopK
-from .new_files import refuse_existing, write_new
-from .command import PROG, parser, run, safe_globals
+from .checkpoints.new_files import refuse_existing, write_new
+from .checkpoints.command import PROG, parser, run, safe_globals
 from .upcycle import moe_checkpoint, section
 
 _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."

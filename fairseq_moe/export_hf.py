@@ -24,8 +24,8 @@ import sys
 from argparse import Namespace
 
 from .errors import CheckpointError, FlagError
-from .new_files import one_line, refuse_existing
-from .command import PROG, parser, read_any, run, safe_globals
+from .checkpoints.new_files import one_line, refuse_existing
+from .checkpoints.command import PROG, parser, read_any, run, safe_globals
 
 _MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
 _RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".encoder_attn.", ".cross_attention."),

@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from .command import PROG, config_file, parser, plugin, read_text, run
+from . import with_fairseq
+from .checkpoints.command import PROG, config_file, parser, read_text, run
 from .errors import CheckpointError, FlagError
-from .new_files import refuse_existing, write_new
+from .checkpoints.new_files import refuse_existing, write_new
 
 
 def load(checkpoint, data, overrides=None):
@@ -43,7 +44,7 @@ def load(checkpoint, data, overrides=None):
     such as a multilingual task's lang_pairs)."""
     from fairseq import checkpoint_utils
 
-    from . import expert_checkpoint as shards
+    from .checkpoints import sets as shards
 
     path = config_file(checkpoint)  # (fairseq checks that the file exists)
     state = shards.read_file(path, mmap=True)
@@ -240,7 +241,7 @@ def routed_weight(model, task, subset, max_tokens):
 
 def language_pairs(checkpoint):
     """The language pairs of a checkpoint's multilingual task (translation_multi_simple_epoch), else None."""
-    from . import expert_checkpoint as shards
+    from .checkpoints import sets as shards
 
     path = config_file(checkpoint)
     pairs = task_config(shards.read_file(path, mmap=True), path).get("lang_pairs")
@@ -436,7 +437,7 @@ def main(argv=None):
         inspect(a.checkpoint, a.data, a.input, a.out, a.target, a.layer, a.spm, a.show)
         return sorted(Path(a.out).iterdir())
 
-    return run(p.prog, work, lambda paths: "\n".join(map(str, paths)), setup=plugin)
+    return run(p.prog, work, lambda paths: "\n".join(map(str, paths)), setup=with_fairseq)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ registry is listed here: the target, the attribute, the replacement ("module:nam
 wraps=True a function of the original that returns the replacement, else the replacement itself, which
 asks original() for the original if it needs it), why, since which fairseq release, and whether it is
 permanent (apply(), when fairseq loads the plugin) or scoped (scoped(), for one call). Nothing else
-assigns to a fairseq attribute (tests/glue/test_patches.py); config values set for one call are not
+assigns to a fairseq attribute (tests/fairseq_moe/test_patches.py); config values set for one call are not
 patches (checkpoint.overridden).
 """
 import contextlib
@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .safe_eval import EVAL_MODULES  # the fairseq modules that eval() configuration strings
+from .checkpoints.safe_load import EVAL_MODULES  # the fairseq modules that eval() configuration strings
 
 
 @dataclass(frozen=True)
@@ -39,72 +39,72 @@ _CKPT = "fairseq.checkpoint_utils"
 
 PATCHES = (
     # Checkpoints of MoE models (checkpoint.py)
-    Patch(_TRAINER, "__init__", "fairseq_moe.checkpoint:trainer_init",
+    Patch(_TRAINER, "__init__", "fairseq_moe.hooks.trainer:trainer_init",
           "refuse set-ups whose state cannot be cut per expert, from the whole config (hydra runs too)"),
-    Patch(_TRAINER, "checkpoint_suffix", "fairseq_moe.checkpoint:trainer_checkpoint_suffix",
+    Patch(_TRAINER, "checkpoint_suffix", "fairseq_moe.hooks.trainer:trainer_checkpoint_suffix",
           "with the experts spread, every rank saves NAME-rank-R.pt (fairseq 0.12 saves on rank 0 only)"),
-    Patch(_TRAINER, "should_save_checkpoint_on_current_rank", "fairseq_moe.checkpoint:trainer_should_save",
+    Patch(_TRAINER, "should_save_checkpoint_on_current_rank", "fairseq_moe.hooks.trainer:trainer_should_save",
           "with the experts spread, every rank saves its experts"),
-    Patch(_TRAINER, "state_dict", "fairseq_moe.checkpoint:trainer_state_dict",
+    Patch(_TRAINER, "state_dict", "fairseq_moe.hooks.trainer:trainer_state_dict",
           "the expert manifest: where each expert's optimizer state sits, the world size of the data position"),
-    Patch(_TRAINER, "save_checkpoint", "fairseq_moe.checkpoint:trainer_save_checkpoint",
+    Patch(_TRAINER, "save_checkpoint", "fairseq_moe.hooks.trainer:trainer_save_checkpoint",
           "a set: NAME-rank-R.pt per rank and NAME-shared.pt (expert_checkpoint.py)"),
-    Patch(_TRAINER, "load_checkpoint", "fairseq_moe.checkpoint:trainer_load_checkpoint",
+    Patch(_TRAINER, "load_checkpoint", "fairseq_moe.hooks.trainer:trainer_load_checkpoint",
           "the name resolved (set or file), a damaged set an error; each rank reads its own experts"),
-    Patch(_CKPT, "save_checkpoint", "fairseq_moe.checkpoint:save_checkpoint",
+    Patch(_CKPT, "save_checkpoint", "fairseq_moe.hooks.trainer:save_checkpoint",
           "with the experts spread, a save's sets are committed as a whole (commit.py), old ones retired "
           "after; what a stopped save left is recovered first"),
-    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:load_checkpoint_to_cpu",
+    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.hooks.trainer:load_checkpoint_to_cpu",
           "weights_only=True passed explicitly, checked config strings, named errors; sets"),
-    Patch(_CKPT, "load_model_ensemble_and_task", "fairseq_moe.checkpoint:models_by_set_name",
+    Patch(_CKPT, "load_model_ensemble_and_task", "fairseq_moe.hooks.trainer:models_by_set_name",
           "--path NAME.pt of a set loads it (fairseq checks that the file NAME.pt exists first); a missing "
           "path is one line", wraps=True),
-    Patch(_CKPT, "load_checkpoint", "fairseq_moe.checkpoint:load_checkpoint",
+    Patch(_CKPT, "load_checkpoint", "fairseq_moe.hooks.trainer:load_checkpoint",
           "a run whose checkpoint_last exists only as a set (or another world size's) resumes"),
-    Patch(_CKPT, "PathManager", "fairseq_moe.checkpoint:SaveInProgress",
+    Patch(_CKPT, "PathManager", "fairseq_moe.hooks.trainer:SaveInProgress",
           "copies during a save of an MoE model: atomic; with spread experts staged copies of whole sets, and "
           "--keep-* counting the staged names", scoped=True),
-    Patch(_CKPT, "os", "fairseq_moe.checkpoint:OsDuringSave",
+    Patch(_CKPT, "os", "fairseq_moe.hooks.trainer:OsDuringSave",
           "fairseq's --keep-* os.remove of one rank's file of an old set retires the whole set, deleted by "
           "rank 0 only once the new sets are committed", scoped=True),
-    Patch(_CKPT, "torch_persistent_save", "fairseq_moe.checkpoint:persistent_save",
+    Patch(_CKPT, "torch_persistent_save", "fairseq_moe.hooks.trainer:persistent_save",
           "a save of an MoE model on one process: a failed write (a full disk) is one line, not three tries and "
           "a logged traceback; the file flushed before its rename", scoped=True),
-    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.checkpoint:LoadForRank",
+    Patch(_CKPT, "load_checkpoint_to_cpu", "fairseq_moe.hooks.trainer:LoadForRank",
           "Trainer.load_checkpoint reads this rank's experts of the resolved checkpoint", scoped=True),
     # --ddp-backend fully_sharded on torch's FSDP, the experts left expert-parallel (fsdp.py)
-    Patch(_TRAINER, "is_fsdp", "fairseq_moe.fsdp:trainer_is_fsdp",
+    Patch(_TRAINER, "is_fsdp", "fairseq_moe.hooks.fsdp:trainer_is_fsdp",
           "fairseq's fully_sharded is fairscale's FSDP (CUDA streams; it would shard the experts again): here it is "
           "torch's, which the rest of the Trainer treats as a data-parallel run"),
-    Patch(_TRAINER, "_build_optimizer", "fairseq_moe.fsdp:trainer_build_optimizer",
+    Patch(_TRAINER, "_build_optimizer", "fairseq_moe.hooks.fsdp:trainer_build_optimizer",
           "on a sharded model: pointwise optimizers only, and the optimizer state saved whole, loaded as this rank's "
           "rows", wraps=True),
-    Patch("fairseq.models", "DistributedFairseqModel", "fairseq_moe.fsdp:distributed_model",
+    Patch("fairseq.models", "DistributedFairseqModel", "fairseq_moe.hooks.fsdp:distributed_model",
           "--ddp-backend fully_sharded shards the model in place with torch's fully_shard, experts left out",
           wraps=True),
-    Patch("fairseq.utils", "clip_grad_norm_", "fairseq_moe.optim:clip_grad_norm",
+    Patch("fairseq.utils", "clip_grad_norm_", "fairseq_moe.hooks.optim:clip_grad_norm",
           "fairseq's norm leaves the experts' gradients out: an overflow there went unseen (inf experts under fp16); "
           "a sharded model's gradients are DTensors (the norm from each rank's rows, summed over the ranks)",
           wraps=True),
-    Patch("fairseq.optim.fairseq_optimizer:FairseqOptimizer", "multiply_grads", "fairseq_moe.fsdp:multiply_grads",
+    Patch("fairseq.optim.fairseq_optimizer:FairseqOptimizer", "multiply_grads", "fairseq_moe.hooks.fsdp:multiply_grads",
           "its foreach cannot mix a sharded model's DTensor gradients with the experts' tensors", wraps=True),
-    Patch("fairseq_cli.train", "fsdp_enable_wrap", "fairseq_moe.fsdp:train_wrap_enabled",
+    Patch("fairseq_cli.train", "fsdp_enable_wrap", "fairseq_moe.hooks.fsdp:train_wrap_enabled",
           "fairscale's auto-wrapping context (an ImportError without fairscale): fsdp.shard makes the units"),
-    Patch("fairseq_cli.train", "fsdp_wrap", "fairseq_moe.fsdp:train_wrap",
+    Patch("fairseq_cli.train", "fsdp_wrap", "fairseq_moe.hooks.fsdp:train_wrap",
           "fairscale's wrap: the model is sharded when the Trainer wraps it (fsdp.shard)"),
-    Patch("fairseq.optim", "shard_", "fairseq_moe.optim:shard_with_experts",
+    Patch("fairseq.optim", "shard_", "fairseq_moe.hooks.optim:shard_with_experts",
           "--zero-sharding os with the experts spread: fairscale's OSS would broadcast one rank's experts over the "
           "others'; here the dense parameters' state is cut over the ranks and each keeps its experts' (optim.py)",
           wraps=True),
-    Patch("fairseq.optim.fp16_optimizer:FP16Optimizer", "build_optimizer", "fairseq_moe.optim:flat_fp16_with_experts",
+    Patch("fairseq.optim.fp16_optimizer:FP16Optimizer", "build_optimizer", "fairseq_moe.hooks.optim:flat_fp16_with_experts",
           "--fp16's flat fp32 copy holds every parameter in one tensor (its state cannot be cut per expert, its norm "
           "mixes the experts') and is built on torch.cuda.current_device(): with experts, the dense parameters flat "
           "on their device and each expert tensor its own copy, the state numbered by parameter", wraps=True),
-    Patch("fairseq.optim.adafactor:FairseqAdafactor", "__init__", "fairseq_moe.optim:expert_adafactor_init",
+    Patch("fairseq.optim.adafactor:FairseqAdafactor", "__init__", "fairseq_moe.hooks.optim:expert_adafactor_init",
           "--optimizer adafactor treats a stacked expert tensor as one parameter (a bias's column statistics, the "
           "update's RMS mix the experts): here each expert is stepped as its own, so its state cuts per expert",
           wraps=True),
-    Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoint:register_safe_globals",
+    Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoints.safe_load:register_safe_globals",
           "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",
           since="0.12 with torch >= 2.6"),
     # The LM (models/moe_transformer_lm.py)
@@ -112,56 +112,56 @@ PATCHES = (
           "MoETransformerLMDecoder", "transformer_lm's build_model builds its decoder class by name: ours, "
           "for the duration of our build", scoped=True),
     # fairseq 0.12 fixes (compat.py)
-    Patch("fairseq.data.data_utils", "batch_by_size", "fairseq_moe.compat:keep_last_batch",
+    Patch("fairseq.data.data_utils", "batch_by_size", "fairseq_moe.hooks.compat:keep_last_batch",
           "fairseq 0.12 drops the last batch when it is not a multiple of --required-batch-size-multiple "
           "(generate skipped the longest sentences)", wraps=True),
-    Patch("fairseq.distributed.utils", "_broadcast_object_slow", "fairseq_moe.compat:broadcast_with_omegaconf",
+    Patch("fairseq.distributed.utils", "_broadcast_object_slow", "fairseq_moe.hooks.compat:broadcast_with_omegaconf",
           "a multi-rank resume broadcasts an OmegaConf config, which torch >= 2.6's weights_only load refuses",
           since="0.12 with torch >= 2.6", wraps=True),
-    Patch("fairseq.distributed.utils", "infer_init_method", "fairseq_moe.compat:torchrun_on_cpu",
+    Patch("fairseq.distributed.utils", "infer_init_method", "fairseq_moe.hooks.compat:torchrun_on_cpu",
           "under torchrun on CPU fairseq 0.12 trains N independent models into one folder, or divides by "
           "the CUDA device count (0)", wraps=True),
-    Patch("fairseq.distributed.utils", "distributed_main", "fairseq_moe.compat:leave_together",
+    Patch("fairseq.distributed.utils", "distributed_main", "fairseq_moe.hooks.compat:leave_together",
           "the ranks' process groups are destroyed after fairseq's final barrier: left to the interpreter's exit, "
           "a gloo rank can abort with std::terminate as its peer closes the connections", wraps=True),
-    *(Patch(f"fairseq.{m}", "np", "fairseq_moe.compat:NUMPY_1",
+    *(Patch(f"fairseq.{m}", "np", "fairseq_moe.hooks.compat:NUMPY_1",
             "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
             since="0.12 with NumPy >= 2", when=lambda: not hasattr(importlib.import_module("numpy"), "compat"))
       for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
     # No checkpoint string reaches eval() (safe_eval.py)
-    *(Patch(m, "eval", "fairseq_moe.safe_eval:literal", _EVAL_WHY) for m in EVAL_MODULES),
+    *(Patch(m, "eval", "fairseq_moe.checkpoints.safe_load:literal", _EVAL_WHY) for m in EVAL_MODULES),
     # Inference with the experts spread over the ranks of a launched job (spread.py)
-    Patch("fairseq_cli.generate", "_main", "fairseq_moe.spread:spread_generate",
+    Patch("fairseq_cli.generate", "_main", "fairseq_moe.hooks.spread:spread_generate",
           "under torchrun or fairseq_moe.launch, fairseq-generate runs W independent processes, each with every "
           "expert: here one job, the experts spread, the test set cut in W shards, the output and BLEU of all",
           wraps=True),
-    Patch("fairseq.scoring", "build_scorer", "fairseq_moe.spread:GatheringScorer",
+    Patch("fairseq.scoring", "build_scorer", "fairseq_moe.hooks.spread:GatheringScorer",
           "on W ranks the score is computed over the sentences of every rank", scoped=True),
-    Patch("fairseq_cli.eval_lm", "eval_lm", "fairseq_moe.spread:spread_eval_lm",
+    Patch("fairseq_cli.eval_lm", "eval_lm", "fairseq_moe.hooks.spread:spread_eval_lm",
           "on several ranks each evaluates its shard and reports its own perplexity: here the layers in "
           "lockstep and the perplexity of the whole set", wraps=True),
-    Patch("fairseq_cli.eval_lm", "SequenceScorer", "fairseq_moe.spread:spread_eval_lm",
+    Patch("fairseq_cli.eval_lm", "SequenceScorer", "fairseq_moe.hooks.spread:spread_eval_lm",
           "on several ranks the tokens each rank scores are counted, to weight its loss", scoped=True),
-    *(Patch(f"fairseq.tasks.{module}:{task}", "eval_lm_dataloader", "fairseq_moe.spread:context_in_order",
+    *(Patch(f"fairseq.tasks.{module}:{task}", "eval_lm_dataloader", "fairseq_moe.hooks.spread:context_in_order",
             "with --context-window on several ranks each rank's batches would take their context from its own "
             "shard (a filler batch is a KeyError): here every rank collates the set in order and keeps its share",
             wraps=True)
       for module, task in (("language_modeling", "LanguageModelingTask"),
                            ("multilingual_language_modeling", "MultilingualLanguageModelingTask"))),
-    Patch("fairseq_cli.interactive", "buffered_read", "fairseq_moe.spread:shared_input",
+    Patch("fairseq_cli.interactive", "buffered_read", "fairseq_moe.hooks.spread:shared_input",
           "on several ranks every rank would read stdin: here rank 0 reads and shares each buffer", wraps=True),
-    Patch("fairseq_cli.interactive", "print", "fairseq_moe.spread:rank0_print",
+    Patch("fairseq_cli.interactive", "print", "fairseq_moe.hooks.spread:rank0_print",
           "on several ranks every rank translates the same input: rank 0 alone prints it"),
-    Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.spread:stopwatch",
+    Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.hooks.spread:stopwatch",
           "generate divides by the time it spent translating: 0 on a rank whose shard is empty", scoped=True),
     # Bad input is one line (cli.py)
-    *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True)
+    *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.hooks.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),
-    Patch("fairseq.distributed.utils", "call_main", "fairseq_moe.cli:one_line_errors",
+    Patch("fairseq.distributed.utils", "call_main", "fairseq_moe.hooks.cli:one_line_errors",
           _CLI_WHY + " (errors in setting up the ranks)", wraps=True),
-    Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.cli:one_line_errors", _CLI_WHY, wraps=True,
+    Patch("fairseq_cli.hydra_train", "pre_main", "fairseq_moe.hooks.cli:one_line_errors", _CLI_WHY, wraps=True,
           when=lambda: "fairseq_cli.hydra_train" in sys.modules),
-    Patch("argparse:ArgumentParser", "error", "fairseq_moe.cli:exit_quietly",
+    Patch("argparse:ArgumentParser", "error", "fairseq_moe.hooks.cli:exit_quietly",
           "under fairseq_moe.launch, torchrun or srun every rank parses the same command line: rank 0 alone prints "
           "a usage error", when=lambda: _launched_rank() != 0),
 )
@@ -171,7 +171,7 @@ _ABSENT = object()
 
 def _launched_rank():
     """The rank a launcher gave this process (0 outside a launched job)."""
-    from .compat import launcher_rank, one_rank_of_a_job
+    from .hooks.compat import launcher_rank, one_rank_of_a_job
 
     if "FAIRSEQ_MOE_LAUNCH_RANK" in os.environ:
         return int(os.environ["FAIRSEQ_MOE_LAUNCH_RANK"] or 0)

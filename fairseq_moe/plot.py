@@ -21,9 +21,9 @@ import re
 import sys
 from pathlib import Path
 
-from .command import PROG, InputError, parser, run
+from .checkpoints.command import PROG, InputError, parser, run
 from .errors import FlagError
-from .new_files import refuse_existing, write_new
+from .checkpoints.new_files import refuse_existing, write_new
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 

@@ -29,10 +29,11 @@ from fractions import Fraction
 
 import torch
 
-from . import expert_checkpoint as shards
+from .checkpoints import sets as shards
 from .errors import FlagError
-from .new_files import refuse_existing, write_new
-from .command import PROG, parser, plugin, read_any, run
+from .checkpoints.new_files import refuse_existing, write_new
+from . import with_fairseq
+from .checkpoints.command import PROG, parser, read_any, run
 from .upcycle import moe_checkpoint
 
 
@@ -155,7 +156,7 @@ def main(argv=None):
         return "\n".join(lines)
 
     return run(p.prog, lambda: prune(a.checkpoint, a.output, a.data, a.lang_pairs, a.subset, a.keep, a.keep_mass,
-                                     a.multiple_of, a.max_tokens), report, setup=plugin)
+                                     a.multiple_of, a.max_tokens), report, setup=with_fairseq)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ before any other stage, as its iopath import for --write-checkpoints-asynchronou
 any weight exists) or at "trainer" (fairseq builds its Trainer: the whole config, hydra runs too, the model and
 the criterion).
 A bad value of a single flag is checked where it is read (MoEConfig.validate, the task, the criterion,
-compat.torchrun_on_cpu). tests/glue/test_refusals.py runs every entry with its example.
+compat.torchrun_on_cpu). tests/fairseq_moe/test_refusals.py runs every entry with its example.
 """
 import argparse
 from dataclasses import dataclass, field

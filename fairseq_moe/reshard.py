@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from . import expert_checkpoint as shards
-from . import safe_eval
-from .command import PROG, parser, read_any, run, safe_globals
+from .checkpoints import sets as shards
+from .checkpoints import safe_load as safe_eval
+from .checkpoints.command import PROG, parser, read_any, run, safe_globals
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.comm import expert_parallel_size
-from .new_files import refuse_existing, write_new
+from .checkpoints.new_files import refuse_existing, write_new
 
 
 def _check_state(state, src):

@@ -28,12 +28,12 @@ from argparse import Namespace
 
 import torch
 
-from . import expert_checkpoint as shards
-from . import safe_eval
+from .checkpoints import sets as shards
+from .checkpoints import safe_load as safe_eval
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.config import ACTIVATIONS
-from .new_files import refuse_existing, write_new
-from .command import PROG, parser, run, safe_globals
+from .checkpoints.new_files import refuse_existing, write_new
+from .checkpoints.command import PROG, parser, run, safe_globals
 
 # dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}

@@ -11,6 +11,12 @@ from torch import nn
 from fairseq_moe_kernels import reference
 
 
+def is_expert(p):
+    """Whether a parameter is one of routed experts (marked `expert` by Experts): each rank holds its own, so
+    data-parallel reductions, ZeRO and FSDP leave it out."""
+    return hasattr(p, "expert")
+
+
 class Experts(nn.Module):
     """The experts this rank holds: global experts first_expert .. first_expert + num_experts - 1."""
 

@@ -2,7 +2,7 @@
 
 Softmax, top-k, capacity and the losses live once in routing.py and losses.py, so no gate can
 compute them differently. A new gate is one class here plus one GATES entry; the contract tests in
-tests/moe/test_gates.py run every registered gate.
+tests/fairseq_moe_layer/test_gates.py run every registered gate.
 """
 import math
 

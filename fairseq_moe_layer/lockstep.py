@@ -80,9 +80,9 @@ class Lockstep:
 def of(model):
     """The Locksteps of model's MoE layers with spread experts (one per expert-parallel group), in the order of
     their first layer: the same on every rank."""
-    from .layer import MoELayer
-
-    steps = {id(m.ep.lockstep): m.ep.lockstep for m in model.modules() if isinstance(m, MoELayer) and m.ep}
+    # (a layer with spread experts is one whose `ep` has a lockstep: MoELayer's; this module sits below layer.py)
+    eps = [ep for ep in (getattr(m, "ep", None) for m in model.modules()) if getattr(ep, "lockstep", None) is not None]
+    steps = {id(ep.lockstep): ep.lockstep for ep in eps}
     return list(steps.values())
 
 

@@ -1,8 +1,8 @@
 """Settings as data: each setting of the layer (config.MoEConfig) and of a routing policy (routing.Policy.options)
 is one dataclass field made by setting(), whose metadata holds its fairseq flag, its help, its choices and its
 range. From that one place come the fairseq flag (the glue's add_moe_args), the generic checks (check_setting,
-run by MoEConfig.validate) and the README's table of the layer's flags (`python -m fairseq_moe_layer.options`;
-tests/moe/test_config.py compares). The MoE criterion's and task's settings are fairseq dataclasses made with
+run by MoEConfig.validate) and the README's table of the layer's flags (`python -m fairseq_moe_layer.config`;
+tests/fairseq_moe_layer/test_config.py compares). The MoE criterion's and task's settings are fairseq dataclasses made with
 the same setting() (fairseq reads their "help"; check_setting their range).
 """
 import math
@@ -125,9 +125,3 @@ def flag_table(cls):
             shown = f"`{flag} {m['metavar'] or f.name.upper()}`"
         rows.append(f"| {shown} | {describe(f)} | {full_help(f)} |")
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":
-    from .config import MoEConfig
-
-    print(flag_table(MoEConfig), end="")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm on this machine, for tests/glue/test_slurm.py: Debian's munge, slurmctld and slurmd,
+# A one-node Slurm on this machine, for tests/fairseq_moe/hooks/test_compat_slurm.py: Debian's munge, slurmctld and slurmd,
 # as root, on localhost; the node has all the machine's CPUs, whatever OMP_NUM_THREADS says. Installs them
 # if missing (apt), writes /etc/slurm/slurm.conf, starts the daemons and waits until the node takes jobs.
 # Idempotent: a running cluster is left as it is. Not needed to train: only the Slurm tests use it (they skip

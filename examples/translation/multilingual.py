@@ -172,7 +172,7 @@ def weights_mb(checkpoint):
     """MB of a checkpoint's model weights (its optimizer state left out: a pruned checkpoint has none)."""
     import torch
 
-    from fairseq_moe.checkpoint import register_safe_globals
+    from fairseq_moe.checkpoints.safe_load import register_safe_globals
 
     register_safe_globals()
     state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
@@ -183,7 +183,7 @@ def experts_of(checkpoint):
     """The expert count a (pruned) checkpoint's model was written with."""
     import torch
 
-    from fairseq_moe.checkpoint import register_safe_globals
+    from fairseq_moe.checkpoints.safe_load import register_safe_globals
 
     register_safe_globals()
     return torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["cfg"]["model"].moe_expert_count

@@ -23,7 +23,7 @@ from fairseq.distributed import utils as dist_utils
 from fairseq_moe_layer.lockstep import lockstep
 from fairseq_moe_layer.options import refusal, setting
 
-from .. import fsdp
+from ..hooks import fsdp
 from ..errors import FlagError
 from ..models.moe_ffn import moe_blocks
 from ..models.moe_transformer import at_update

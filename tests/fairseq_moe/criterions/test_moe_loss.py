@@ -1,0 +1,160 @@
+"""The criterions add exactly the weighted router losses; metrics, pad mask and eval capacity."""
+import math
+
+import pytest
+import torch
+
+from fairseq_moe.models.moe_ffn import moe_blocks
+
+from tests.fairseq_moe.helpers import build, train_argv
+
+
+def first_batch(task, args):
+    task.load_dataset("valid")
+    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_sentences=16,
+                                  required_batch_size_multiple=1, seed=1)
+    return next(iter(itr.next_epoch_itr(shuffle=False)))
+
+
+def losses(data_bin, tmp_path, criterion_name, *extra):
+    argv = train_argv(data_bin, tmp_path, *extra)
+    argv[argv.index("--criterion") + 1] = criterion_name
+    if criterion_name == "moe_cross_entropy":
+        i = argv.index("--label-smoothing")
+        del argv[i:i + 2]
+    task, model, criterion, args = build(argv)
+    model.eval()  # no dropout: two builds with the same seed give the same numbers
+    sample = first_batch(task, args)
+    loss, sample_size, log = criterion(model, sample)
+    auxes = [b.last_aux for _, b in moe_blocks(model)]
+    return loss, sample_size, log, auxes
+
+
+@pytest.mark.parametrize("criterion", ["moe_label_smoothed_cross_entropy", "moe_cross_entropy"])
+@pytest.mark.parametrize("combine, transform", [("average", "none"), ("sum", "none"), ("average", "neg_log")])
+def test_loss_is_task_loss_plus_weighted_router_losses(data_bin, tmp_path, criterion, combine, transform):
+    common = (criterion, "--moe-gate-loss-combine-method", combine, "--moe-gate-loss-transform", transform)
+    base, sample_size, base_log, _ = losses(data_bin, tmp_path, *common, "--moe-gate-loss-wt", "0")
+    loss, sample_size2, log, auxes = losses(data_bin, tmp_path, *common, "--moe-gate-loss-wt", "0.5",
+                                            "--moe-z-loss-wt", "0.1")
+    assert sample_size == sample_size2 and len(auxes) == 2
+    balance = [a.balance_loss.item() for a in auxes]
+    gate = sum(balance) if combine == "sum" else sum(balance) / 2
+    if transform == "neg_log":
+        gate = -math.log(gate)
+    z = sum(a.z_loss.item() for a in auxes) / 2
+    expected = base.item() + sample_size * (0.5 * gate + 0.1 * z)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    # The logged loss is the task's own; the router terms are logged beside it.
+    assert log["loss"].item() == pytest.approx(base_log["loss"].item(), rel=1e-6)
+    assert log["moe_balance_loss"] == pytest.approx(sum(balance) / 2 * sample_size, rel=1e-5)
+    assert log["moe_z_loss"] == pytest.approx(z * sample_size, rel=1e-5)
+    for key in ("moe_dropped", "moe_imbalance", "moe_entropy"):
+        assert key in log
+
+
+def test_importance_and_load_losses(data_bin, tmp_path):
+    """--moe-gate-loss-type importance_load: --moe-gate-loss-wt weights Shazeer's CV(importance)^2 +
+    CV(load)^2 (averaged over the layers) instead of the balance loss."""
+    noisy = ("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "0.3")
+    base, sample_size, _, _ = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", *noisy,
+                                     "--moe-gate-loss-wt", "0")
+    loss, _, log, auxes = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", *noisy,
+                                 "--moe-gate-loss-type", "importance_load", "--moe-gate-loss-wt", "0.5")
+    shazeer = sum(a.importance_loss.item() + a.load_loss.item() for a in auxes) / 2
+    assert all(a.load_loss.item() > 0 for a in auxes)
+    assert loss.item() == pytest.approx(base.item() + sample_size * 0.5 * shazeer, rel=1e-5)
+    assert log["moe_load_loss"] == pytest.approx(sum(a.load_loss.item() for a in auxes) / 2 * sample_size)
+
+
+def test_per_layer_metrics(data_bin, tmp_path):
+    """--moe-log-per-layer logs each layer's balance, dropped, imbalance and entropy; their mean over the
+    layers is the logged aggregate."""
+    _, sample_size, log, auxes = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy",
+                                        "--moe-log-per-layer", "--moe-capacity-factor", "0.5",
+                                        "--moe-eval-capacity-token-fraction", "-1")  # (losses() runs eval)
+    layers = ("moe_encoder1", "moe_decoder1")
+    for key, aggregate in (("balance", "moe_balance_loss"), ("dropped", "moe_dropped"),
+                           ("imbalance", "moe_imbalance"), ("entropy", "moe_entropy")):
+        values = [log[f"{layer}_{key}"] for layer in layers]
+        assert sum(values) / 2 == pytest.approx(log[aggregate], rel=1e-6)
+    assert log["moe_encoder1_dropped"] == pytest.approx(auxes[0].dropped_fraction * sample_size)
+    assert log["moe_decoder1_dropped"] > 0
+    _, _, plain, _ = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy")
+    assert not [key for key in plain if key.startswith(layers)]
+
+
+def test_pad_mask_keeps_padding_out_of_routing(data_bin, tmp_path):
+    for flag, expect_all in (((), True), (("--use-moe-pad-mask",), False)):
+        task, model, criterion, args = build(train_argv(data_bin, tmp_path, *flag))
+        sample = first_batch(task, args)
+        src = sample["net_input"]["src_tokens"]
+        assert src.eq(task.source_dictionary.pad()).any(), "the batch must hold padding"
+        criterion(model, sample)
+        enc = dict(moe_blocks(model))["encoder.layers.1.fc1"].last_aux
+        non_pad = int(src.ne(task.source_dictionary.pad()).sum())
+        assert enc.num_tokens == (src.numel() if expect_all else non_pad)
+
+
+def test_validation_uses_eval_capacity(data_bin, tmp_path):
+    task, model, criterion, args = build(train_argv(
+        data_bin, tmp_path, "--moe-capacity-factor", "0", "--moe-eval-capacity-token-fraction", "0.05"))
+    sample = first_batch(task, args)
+    model.train()
+    with torch.no_grad():
+        _, _, train_log = criterion(model, sample)
+    _, _, valid_log = task.valid_step(sample, model, criterion)
+    assert train_log["moe_dropped"] == 0
+    assert valid_log["moe_dropped"] > 0
+
+
+@pytest.mark.parametrize("extra", [(), ("--dropout", "0.3", "--activation-dropout", "0.2")])
+def test_checkpoint_activations_keep_the_router_losses_in_the_graph(data_bin, tmp_path, extra):
+    """--checkpoint-activations recomputes the MoE layers in backward: the loss and every gradient,
+    the gates' (which only the router losses and the routing weights reach) included, are those of the
+    run without it. fairseq's own checkpoint_wrapper ran the layer under no_grad and cut the balance
+    and z-losses off the gates."""
+    grads = []
+    for flag in ((), ("--checkpoint-activations",)):
+        task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--moe-z-loss-wt", "0.1",
+                                                        "--moe-gate-loss-wt", "1", *extra, *flag))
+        model.train()
+        sample = first_batch(task, args)
+        torch.manual_seed(5)  # the same dropout masks (the recomputation replays them)
+        loss, _, _ = criterion(model, sample)
+        assert all(b.last_aux.balance_loss.requires_grad for _, b in moe_blocks(model))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, a), (loss_b, b) = grads
+    torch.testing.assert_close(loss_b, loss_a)
+    assert set(a) == set(b) and "encoder.layers.1.fc1.moe.gate.weight" in a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_adaptive_softmax_refused_by_the_moe_criterions(lm_data_bin, tmp_path):
+    """Refused when fairseq builds its Trainer (before any update), not in every forward."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    from tests.fairseq_moe.helpers import lm_train_argv
+
+    task, model, criterion, args = build(lm_train_argv(lm_data_bin, tmp_path, "--adaptive-softmax-cutoff", "10,20"))
+    with pytest.raises(ValueError, match="--adaptive-softmax-cutoff"):
+        Trainer(convert_namespace_to_omegaconf(args), task, model, criterion)
+
+
+def test_the_cmr_loss_pulls_the_mean_gate_to_p(data_bin, tmp_path):
+    """--moe-cmr with --cmr-gate-loss-wt W and --cmr-gate-loss-p P (NLLB's moe_label_smoothed_cross_entropy): loss +=
+    sample_size * W * |sum of the gates over every CMR layer's tokens / their count - P|; the mean gate is logged."""
+    cmr = ("moe_label_smoothed_cross_entropy", "--moe-cmr", "--moe-gate-loss-wt", "0")
+    base, sample_size, _, _ = losses(data_bin, tmp_path, *cmr)
+    loss, _, log, auxes = losses(data_bin, tmp_path, *cmr, "--cmr-gate-loss-wt", "0.5", "--cmr-gate-loss-p", "0.8")
+    used = sum(a.cmr_gate_sum.item() for a in auxes) / sum(a.num_tokens for a in auxes)
+    assert 0 < used < 1 and all(a.cmr_gate_sum.requires_grad for a in auxes)
+    assert loss.item() == pytest.approx(base.item() + sample_size * 0.5 * abs(used - 0.8), rel=1e-5)
+    assert log["moe_cmr_gate"] == pytest.approx(used * sample_size, rel=1e-5)
+    from fairseq_moe.errors import FlagError
+
+    with pytest.raises(FlagError, match="--cmr-gate-loss-wt 0.5 weights the gates of --moe-cmr, which the model"):
+        losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", "--cmr-gate-loss-wt", "0.5")

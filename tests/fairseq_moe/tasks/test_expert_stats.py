@@ -1,0 +1,34 @@
+"""--tensorboard-logdir works out of the box (tensorboardX is installed with the plugin): the MoE metrics,
+per layer where asked, are written beside the loss."""
+import struct
+
+from tests.fairseq_moe.helpers import run_train, train_argv
+
+
+def scalar_tags(folder):
+    """The tags of every scalar in the TensorBoard event files under folder (TFRecord: length, crc, event, crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    tags = set()
+    for path in folder.rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            tags.update(v.tag for v in event.summary.value)
+    return tags
+
+
+def test_moe_metrics_reach_tensorboard(data_bin, tmp_path):
+    logdir = tmp_path / "tb"
+    run_train(train_argv(data_bin, tmp_path / "ckpt", "--max-update", "2", "--moe-log-per-layer",
+                         "--tensorboard-logdir", str(logdir)))
+    from fairseq.logging import progress_bar
+
+    for writer in progress_bar._tensorboard_writers.values():
+        writer.flush()  # (fairseq closes them at exit; this process goes on)
+    train, valid = scalar_tags(logdir / "train_inner"), scalar_tags(logdir / "valid")
+    for tags in (train, valid):
+        assert {"loss", "moe_balance_loss", "moe_imbalance", "moe_encoder1_balance", "moe_decoder1_entropy"} <= tags, tags

@@ -1,0 +1,212 @@
+"""fairseq_moe.launch stops its ranks: a signal sent to the launcher reaches every rank, a rank that
+ignores it is killed after --grace-seconds, a failed rank stops the others, and the ranks die with a
+launcher killed by SIGKILL. No rank is left running.
+
+The ranks are tiny Python programs, not fairseq: each writes its pid to <dir>/<RANK> and sleeps. The
+launcher appends its distributed flags to their argv, where they are ignored. The launcher is loaded
+from its file, not as fairseq_moe.launch: importing the package imports fairseq, seconds per test.
+"""
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+RANK = r"""
+import os, signal, sys, time
+folder, mode = sys.argv[1], sys.argv[2]
+rank = os.environ["RANK"]
+if mode == "ignore-term" and rank == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(folder, rank + ".tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(folder, rank + ".tmp"), os.path.join(folder, rank))  # whole, or not there
+if mode == "fail" and rank == "1":
+    while not os.path.exists(os.path.join(folder, "0")):  # rank 0 runs first, so it has a pid to check
+        time.sleep(0.01)
+    sys.exit(3)
+if mode == "exit":
+    sys.exit(0)
+time.sleep(120)
+"""
+
+LAUNCH_PY = os.path.join(importlib.util.find_spec("fairseq_moe").submodule_search_locations[0], "launch.py")
+
+# python -c LAUNCHER LAUNCH_PY FOLDER PATCH ARGS...: the launcher's main(ARGS). With PATCH "signal",
+# its Popen sends the launcher SIGTERM right after it has started rank 0: a signal that comes while
+# ranks start. Every rank it starts has its pid recorded in FOLDER/started.
+LAUNCHER = r"""
+import importlib.util, os, signal, subprocess, sys
+path, folder, patch, *args = sys.argv[1:]
+spec = importlib.util.spec_from_file_location("launch", path)
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+class Popen(subprocess.Popen):
+    def __init__(self, *popen_args, **kwargs):
+        super().__init__(*popen_args, **kwargs)
+        with open(os.path.join(folder, "started"), "a") as f:
+            f.write(f"{self.pid}\n")
+        if patch == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+launch.subprocess.Popen = Popen
+sys.exit(launch.main(args))
+"""
+
+NPROC = 3
+TIMEOUT = 20  # seconds; nothing here should come near it
+
+
+@pytest.fixture
+def run(tmp_path):
+    """start(*launcher_args, mode=..., ignored=(signals)) -> the launcher's Popen; at teardown nothing it
+    started survives. The launcher starts with the forwarded signals at their defaults, except `ignored`
+    (pytest itself may run with SIGINT ignored: a shell's background job)."""
+    started = []
+
+    def start(*launcher_args, mode="sleep", patch="none", ignored=()):
+        def dispositions():
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+
+        launcher = [sys.executable, "-c", LAUNCHER, LAUNCH_PY, str(tmp_path), patch]
+        rank = [sys.executable, "-c", RANK, str(tmp_path), mode]
+        proc = subprocess.Popen([*launcher, "--nproc", str(NPROC), *launcher_args, "--", *rank],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=dispositions)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    for pid in pids(tmp_path):
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid is another user's now
+        return False
+    try:  # a zombie (dead, not yet reaped by whoever inherited it) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def pids(folder):
+    return [int((folder / name).read_text()) for name in os.listdir(folder) if name.isdigit()]
+
+
+def wait_for(condition, what, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def wait_ranks_up(folder, launcher):
+    wait_for(lambda: len(pids(folder)) == NPROC or launcher.poll() is not None, "the ranks to start")
+    assert launcher.poll() is None, launcher.communicate()[0]
+    return pids(folder)
+
+
+def finish(launcher):
+    output, _ = launcher.communicate(timeout=TIMEOUT)
+    return launcher.returncode, output
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_launcher_stops_every_rank(run, tmp_path, signum):
+    launcher = run()
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.send_signal(signum)
+    code, output = finish(launcher)
+    assert code == 128 + signum, output
+    assert not [pid for pid in ranks if alive(pid)]
+
+
+def test_ignored_hangup_stays_ignored(run, tmp_path):
+    """Under nohup, a hangup must not stop the run: neither the launcher nor its ranks."""
+    launcher = run(ignored=(signal.SIGHUP,))
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    for pid in ranks:
+        os.kill(pid, signal.SIGHUP)
+    time.sleep(0.5)
+    assert launcher.poll() is None and all(alive(pid) for pid in ranks)
+    launcher.send_signal(signal.SIGTERM)
+    assert finish(launcher)[0] == 128 + signal.SIGTERM
+
+
+def test_rank_ignoring_sigterm_is_killed_after_grace_period(run, tmp_path):
+    grace = 1.5
+    launcher = run("--grace-seconds", str(grace), mode="ignore-term")
+    ranks = wait_ranks_up(tmp_path, launcher)
+    sent = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    code, output = finish(launcher)
+    assert code == 128 + signal.SIGTERM, output
+    assert time.monotonic() - sent >= grace - 0.1  # rank 1 got its grace period
+    assert not [pid for pid in ranks if alive(pid)]
+
+
+@pytest.mark.slow
+def test_failed_rank_stops_the_others_and_its_code_is_returned(run, tmp_path):
+    launcher = run(mode="fail")
+    code, output = finish(launcher)
+    assert code == 3, output
+    ranks = pids(tmp_path)
+    assert len(ranks) >= 2 and not [pid for pid in ranks if alive(pid)]
+
+
+def test_signal_while_ranks_start_stops_the_launch(run, tmp_path):
+    launcher = run(patch="signal")
+    code, output = finish(launcher)
+    assert code == 128 + signal.SIGTERM, output
+    started = [int(line) for line in (tmp_path / "started").read_text().split()]
+    assert len(started) == 1  # no rank is started after the signal
+    assert not alive(started[0])
+
+
+def test_all_ranks_succeed(run, tmp_path):
+    code, output = finish(run(mode="exit"))
+    assert code == 0, output
+    assert len(pids(tmp_path)) == NPROC
+
+
+@pytest.mark.parametrize("mode", ["sleep", "ignore-term"])
+def test_ranks_die_with_a_launcher_killed_by_sigkill(run, tmp_path, mode):
+    """SIGKILL cannot be passed on: the kernel stops the ranks (parent-death signal), even one that ignores
+    SIGTERM, so no orphan trains on into the folder of the next launch."""
+    launcher = run(mode=mode)
+    ranks = wait_ranks_up(tmp_path, launcher)
+    launcher.kill()
+    launcher.wait(TIMEOUT)
+    wait_for(lambda: not [pid for pid in ranks if alive(pid)], "the ranks to die with the launcher", timeout=5)
+
+
+@pytest.mark.slow
+def test_a_launch_inside_an_srun_step_keeps_its_own_ranks(tmp_path):
+    """python -m fairseq_moe.launch inside an srun step (here a hand-made one whose tasks could never be one step:
+    SLURM_PROCID 5 of 2): its ranks are the launcher's, meeting at its port; the step's variables are not read."""
+    from tests.fairseq_moe.hooks.test_compat_slurm_env import TASK, TASK_SCRIPT
+
+    (tmp_path / "task.py").write_text(TASK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "FAIRSEQ_MOE_"))}
+    env.update(TASK, SLURM_PROCID="5", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--", "python", "task.py", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(line.split()[1] for line in out.stdout.splitlines()) == ["0", "1"], out.stdout

@@ -1,0 +1,173 @@
+"""The floors of docs/architecture.md, read from the source: every import of every module of the three packages
+(at its top or inside a function) points to its own floor or one below, and no modules import each other in a
+circle. Floors are folders; a new file takes its folder's floor, and a new file at the top of fairseq_moe/ is a
+command. The checker is shown to catch an upward import, a circle and a command borrowing from another."""
+import ast
+import os
+import shutil
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("fairseq_moe_kernels", "fairseq_moe_layer", "fairseq_moe")
+
+# From the bottom up: (floor, what it holds, whether it may import fairseq). A module belongs to the floor of the
+# longest name here that is it or its package. The door's files sit on the floors they serve: the error types at
+# the bottom of the glue (every floor raises them), the two tables (patches, refusals) with the hooks they list.
+FLOORS = [
+    ("kernels", {"fairseq_moe_kernels"}, False),
+    ("layer", {"fairseq_moe_layer"}, False),
+    ("errors", {"fairseq_moe.errors"}, False),
+    ("checkpoints", {"fairseq_moe.checkpoints"}, False),
+    ("hooks", {"fairseq_moe.hooks", "fairseq_moe.patches", "fairseq_moe.refusals"}, True),
+    ("registries", {"fairseq_moe.models", "fairseq_moe.criterions", "fairseq_moe.tasks"}, True),
+    ("commands", {"fairseq_moe"}, True),  # __init__ (the door, load_plugin) and python -m fairseq_moe.NAME
+]
+# A command built on another (docs/architecture.md, "How to add a command"): at most three.
+BUILT_ON = {("fairseq_moe.consolidate", "fairseq_moe.reshard"), ("fairseq_moe.prune", "fairseq_moe.inspect"),
+            ("fairseq_moe.inspect", "fairseq_moe.plot")}
+
+
+def modules(root):
+    """{module name: its file} of the three packages under root."""
+    out = {}
+    for package in PACKAGES:
+        for folder, dirs, files in os.walk(os.path.join(root, package)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    parts = os.path.relpath(os.path.join(folder, f), root)[:-3].split(os.sep)
+                    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(folder, f)
+    return out
+
+
+def imports(name, path, known):
+    """The modules of ours that the module imports (a name imported from a package is its submodule where there is
+    one, else the package), and whether it imports fairseq."""
+    package = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
+    out, fairseq = set(), False
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[:len(package) - node.level + 1] if node.level else []) + (node.module or "").split(".")
+            base = ".".join(p for p in base if p)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            fairseq |= t.split(".")[0] in ("fairseq", "fairseq_cli")
+            while t and t not in known:  # import a.b.c of a module a.b.c, or of a name in a.b
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out, fairseq
+
+
+def floor_of(name):
+    best = max((p for _, held, _ in FLOORS for p in held if name == p or name.startswith(p + ".")), key=len)
+    return next(i for i, (_, held, _) in enumerate(FLOORS) if best in held)
+
+
+def is_command(name):
+    return floor_of(name) == len(FLOORS) - 1 and name.count(".") == 1
+
+
+def problems(root):
+    """Every import that points up, imports fairseq where its floor may not, or is a command borrowing from a
+    command not in BUILT_ON; and every circle."""
+    known = modules(root)
+    graph, wrong = {}, []
+    for name, path in sorted(known.items()):
+        graph[name], fairseq = imports(name, path, known)
+        mine = floor_of(name)
+        if fairseq and not FLOORS[mine][2]:
+            wrong.append(f"{name} ({FLOORS[mine][0]}) imports fairseq")
+        for t in sorted(graph[name]):
+            if floor_of(t) > mine:
+                wrong.append(f"{name} ({FLOORS[mine][0]}) imports {t} ({FLOORS[floor_of(t)][0]}), a floor above")
+            elif is_command(name) and is_command(t) and (name, t) not in BUILT_ON:
+                wrong.append(f"{name} imports the command {t}: share it through the kit (fairseq_moe/checkpoints/)")
+    return wrong + [" -> ".join(c) for c in circles(graph)]
+
+
+def circles(graph):
+    """One circle per strongly connected group of modules (Tarjan), each as a path back to its start."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v), on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on.discard(group[-1])
+            if len(group) > 1:
+                out.append(path_around(graph, set(group), v))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def path_around(graph, group, start):
+    """A path from start back to start inside group (breadth first)."""
+    previous, todo = {start: None}, [start]
+    for v in todo:
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while previous[path[-1]] is not None:
+                    path.append(previous[path[-1]])
+                return path[::-1] + [start]
+            if w in group and w not in previous:
+                previous[w] = v
+                todo.append(w)
+
+
+def test_every_import_points_down_and_none_go_round():
+    assert problems(ROOT) == []
+
+
+def test_every_folder_and_file_has_a_floor():
+    """A new folder in the glue must be placed (FLOORS); a module at the top of fairseq_moe/ is the door or a
+    command (it has a main)."""
+    known = modules(ROOT)
+    door = {"fairseq_moe", "fairseq_moe.errors", "fairseq_moe.patches", "fairseq_moe.refusals"}
+    for name, path in known.items():
+        parts = name.split(".")
+        if parts[0] == "fairseq_moe" and len(parts) > 2 or path.endswith("__init__.py") and len(parts) == 2:
+            assert any(name == p or name.startswith(p + ".") for p in set().union(*(h for _, h, _ in FLOORS[2:-1]))), (
+                f"{name}: put its folder on a floor (FLOORS here, docs/architecture.md)")
+        elif parts[0] == "fairseq_moe" and name not in door:
+            assert "def main(" in open(path, encoding="utf-8").read(), f"{name}: the top of fairseq_moe/ holds commands"
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(os.path.join(ROOT, package), tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def test_the_checker_sees_an_upward_import_a_circle_and_a_borrowing_command(scratch):
+    (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("def f():\n    from ..hooks import trainer\n")
+    (scratch / "fairseq_moe_layer" / "one.py").write_text("from . import two\n")
+    (scratch / "fairseq_moe_layer" / "two.py").write_text("from .one import x\n")
+    (scratch / "fairseq_moe" / "average.py").write_text("from .upcycle import main\n")
+    found = problems(scratch)
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq_moe.hooks.trainer (hooks), a floor above" in found
+    assert "fairseq_moe_layer.one -> fairseq_moe_layer.two -> fairseq_moe_layer.one" in found
+    assert any(p.startswith("fairseq_moe.average imports the command fairseq_moe.upcycle") for p in found)
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" not in found
+    (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("import fairseq.utils\n")
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" in problems(scratch)
