@@ -171,3 +171,28 @@ def test_the_checker_sees_an_upward_import_a_circle_and_a_borrowing_command(scra
     assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" not in found
     (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("import fairseq.utils\n")
     assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" in problems(scratch)
+
+
+# Test files that are about the repository as a whole rather than one module: this file (docs/architecture.md),
+# the shipped hydra configs (configs/), the docs' links (docs/).
+WHOLE = {"tests/test_architecture.py", "tests/test_configs.py", "tests/test_docs.py"}
+
+
+def test_tests_mirror_the_packages():
+    """tests/PACKAGE/FOLDER/test_NAME.py (or test_NAME_ASPECT.py) tests the module PACKAGE/FOLDER/NAME.py (test_init:
+    the folder's __init__), and tests/benchmarks/test_NAME.py the script benchmarks/NAME.py."""
+    wrong = []
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = os.path.relpath(folder, ROOT)
+        mirrored = os.path.join(ROOT, *rel.split(os.sep)[1:]) if rel != "tests" else None
+        for f in sorted(files):
+            if not (f.startswith("test_") and f.endswith(".py")) or os.path.join(rel, f) in WHOLE:
+                continue
+            words = f[len("test_"):-3].split("_")
+            names = {"_".join(words[:i]) for i in range(1, len(words) + 1)}
+            there = set() if mirrored is None or not os.path.isdir(mirrored) else {
+                m[:-3] for m in os.listdir(mirrored) if m.endswith(".py")}
+            if not names & ({"init"} if "__init__" in there else set()) | (names & there - {"__init__"}):
+                wrong.append(os.path.join(rel, f))
+    assert wrong == [], f"name each test file after the module it tests (test_MODULE[_ASPECT].py): {wrong}"
