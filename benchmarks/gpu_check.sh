@@ -18,6 +18,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee "$OUT/env.txt"
-timeout 220 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 220 "$PY" -m pytest -q -m gpu tests/fairseq_moe_kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 timeout 280 "$PY" benchmarks/bench_kernels.py --budget-s 200 --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
 timeout 90 "$PY" benchmarks/bench_train.py --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log"
