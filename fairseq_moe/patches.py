@@ -31,14 +31,14 @@ class Patch:
 
 
 _EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints: here eval reads literals "
-             "only, so no checkpoint string can run code (safe_eval.py)")
+             "only, so no checkpoint string can run code (checkpoints/safe_load.py)")
 _CLI_WHY = ("a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (a SaveError: exit "
             "code 1; cli.py)")
 _TRAINER = "fairseq.trainer:Trainer"
 _CKPT = "fairseq.checkpoint_utils"
 
 PATCHES = (
-    # Checkpoints of MoE models (checkpoint.py)
+    # Checkpoints of MoE models (hooks/trainer.py)
     Patch(_TRAINER, "__init__", "fairseq_moe.hooks.trainer:trainer_init",
           "refuse set-ups whose state cannot be cut per expert, from the whole config (hydra runs too)"),
     Patch(_TRAINER, "checkpoint_suffix", "fairseq_moe.hooks.trainer:trainer_checkpoint_suffix",
@@ -48,7 +48,7 @@ PATCHES = (
     Patch(_TRAINER, "state_dict", "fairseq_moe.hooks.trainer:trainer_state_dict",
           "the expert manifest: where each expert's optimizer state sits, the world size of the data position"),
     Patch(_TRAINER, "save_checkpoint", "fairseq_moe.hooks.trainer:trainer_save_checkpoint",
-          "a set: NAME-rank-R.pt per rank and NAME-shared.pt (expert_checkpoint.py)"),
+          "a set: NAME-rank-R.pt per rank and NAME-shared.pt (checkpoints/sets.py)"),
     Patch(_TRAINER, "load_checkpoint", "fairseq_moe.hooks.trainer:trainer_load_checkpoint",
           "the name resolved (set or file), a damaged set an error; each rank reads its own experts"),
     Patch(_CKPT, "save_checkpoint", "fairseq_moe.hooks.trainer:save_checkpoint",
@@ -128,7 +128,7 @@ PATCHES = (
             "NumPy 2 removed np.compat.long and percentile(interpolation=), which these data modules use",
             since="0.12 with NumPy >= 2", when=lambda: not hasattr(importlib.import_module("numpy"), "compat"))
       for m in ("data.token_block_dataset", "data.language_pair_dataset", "data.data_utils")),
-    # No checkpoint string reaches eval() (safe_eval.py)
+    # No checkpoint string reaches eval() (checkpoints/safe_load.py)
     *(Patch(m, "eval", "fairseq_moe.checkpoints.safe_load:literal", _EVAL_WHY) for m in EVAL_MODULES),
     # Inference with the experts spread over the ranks of a launched job (spread.py)
     Patch("fairseq_cli.generate", "_main", "fairseq_moe.hooks.spread:spread_generate",

@@ -1,7 +1,7 @@
 """A save of many ranks replaces the previous checkpoint sets as a whole, or changes nothing.
 
 With the experts spread, one save writes NAME-shared.pt and NAME-rank-R.pt for each name it saves
-(checkpoint_last, checkpoint_E_U, ...: expert_checkpoint.py), and retires the sets that fairseq's --keep-*
+(checkpoint_last, checkpoint_E_U, ...: sets.py), and retires the sets that fairseq's --keep-*
 rules drop. Its steps on every rank, and what a kill -9 or a full disk at each one leaves:
 
 1. write   each rank writes its files under staged names (NAME-rank-R.pt.SAVEID.staged) and flushes them
@@ -16,7 +16,7 @@ rules drop. Its steps on every rank, and what a kill -9 or a full disk at each o
 
 recover() is called by rank 0 before a save and before a resume, when no rank writes; it alone deletes.
 A shared file system is assumed (rank 0 renames every rank's files), as loading a set already does.
-No fairseq import here: the collectives come in as a gather function (checkpoint.py gives torch's).
+No fairseq import here: the collectives come in as a gather function (hooks/trainer.py gives torch's).
 """
 import contextlib
 import json

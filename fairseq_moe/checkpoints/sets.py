@@ -16,7 +16,7 @@ Every file carries the same manifest (update number, a save id drawn once per sa
 layout); loading checks each file against the shared file's and names the first missing or mismatched
 one, so files of two saves never load together. A set loads at any world size: each rank's experts and
 their optimizer state are cut from the old ranks' slices, read memory-mapped. No fairseq import here:
-this is the file format, used by the trainer hooks (checkpoint.py) and reshard/consolidate.
+this is the file format, used by the trainer hooks (hooks/trainer.py) and reshard/consolidate.
 """
 import contextlib
 import filecmp

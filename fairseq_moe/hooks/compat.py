@@ -39,7 +39,7 @@ def broadcast_with_omegaconf(broadcast_object_slow):
     broadcasts the state, in which fairseq has turned the config into an OmegaConf object; the other
     ranks unpickle it with torch.load, whose weights_only default (torch >= 2.6) refuses OmegaConf
     and fails every multi-rank resume. Allow exactly OmegaConf's config classes (and the builtins its
-    pickles name) for this in-job transfer; checkpoint files keep the narrow list of checkpoint.py."""
+    pickles name) for this in-job transfer; checkpoint files keep the narrow list of checkpoints/safe_load.py."""
     import collections
     import typing
 

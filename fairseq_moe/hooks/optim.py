@@ -13,7 +13,7 @@ experts. Here (ExpertZeRO, in place of fairseq's optim.shard_ when any parameter
 
 The state dict is numbered like the unsharded optimizer's (one index per parameter, fairseq's order), holding
 only this rank's entries, and says so under ZERO_KEY: a set saves each rank's dense entries in its own rank
-file (expert_checkpoint.split), and a load merges every file's entries, from which each rank takes its own. So
+file (checkpoints/sets.split), and a load merges every file's entries, from which each rank takes its own. So
 a set resumes on any world size, with or without the flag, and a single file (consolidated, resharded) loads
 into sharded ranks too. The gradients stay whole on every rank (data parallelism all-reduces them as before):
 clipping and the loss scaler see every gradient.

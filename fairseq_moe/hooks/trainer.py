@@ -2,7 +2,7 @@
 
 Loading: weights_only=True always passed, config strings checked (safe_load.py), names resolved by fixed
 rules, a damaged set an error naming its file (a resume takes the newest complete set instead, and says
-so). Saving with the experts spread: NAME-rank-R.pt per rank + NAME-shared.pt (expert_checkpoint.py),
+so). Saving with the experts spread: NAME-rank-R.pt per rank + NAME-shared.pt (checkpoints/sets.py),
 committed as a whole (commit.py), old sets retired only after the commit, a stopped save's leftovers
 recovered.
 The hooks below are installed by patches.py (each entry says why); their per-Trainer state is a RunState.
