@@ -43,7 +43,7 @@ def test_gpu_lm_archs_have_the_dense_sizes():
 @pytest.mark.slow
 def test_a_new_policy_and_gate_get_everything_from_the_registries():
     """A routing policy and a gate registered by a test (tests/fairseq_moe_layer/throwaway.py), with no other edit: their
-    --moe-routing/--moe-gate choice and help, the README table's line, the generic checks and refusals from the
+    --moe-routing/--moe-gate choice and help, docs/flags.md's table line, the generic checks and refusals from the
     policy's properties, the contract tests and the 2-rank check of every policy and gate."""
     import argparse
 

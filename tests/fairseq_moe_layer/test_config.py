@@ -74,17 +74,18 @@ def test_good_values_pass(overrides):
     assert cfg.to_dict() == {**MoEConfig(**GOOD).to_dict(), **overrides}
 
 
-def test_the_readme_flag_table_is_the_one_the_settings_make():
-    """The README's table of the layer's flags is what options.flag_table makes from the settings (a new
-    setting or policy shows up there, or this fails with the table to paste)."""
+def test_the_docs_flag_table_is_the_one_the_settings_make():
+    """docs/flags.md's table of the layer's flags is what options.flag_table makes from the settings (a new
+    setting or policy shows up there, or this fails saying how to make the table to paste)."""
     from pathlib import Path
 
     from fairseq_moe_layer.options import flag_table
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    start = readme.index("\n", readme.index("<!-- layer flags: made by")) + 1
-    assert readme[start:readme.index("<!-- end of the layer flags -->")] == flag_table(MoEConfig), \
-        "regenerate the README's table with: python -m fairseq_moe_layer.config"
+    doc = (Path(__file__).parents[2] / "docs" / "flags.md").read_text()
+    start = doc.index("\n", doc.index("<!-- layer flags: made by")) + 1
+    assert doc[start:doc.index("<!-- end of the layer flags -->")] == flag_table(MoEConfig), \
+        "regenerate the table of docs/flags.md: paste the output of python -m fairseq_moe_layer.config " \
+        "between its <!-- layer flags --> and <!-- end of the layer flags --> lines"
 
 
 def test_every_setting_has_a_flag_help_and_a_check():
