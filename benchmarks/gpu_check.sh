@@ -10,7 +10,7 @@
 # 3. benchmarks/bench_train.py: training tokens/s of a quickstart-size MoE LM over its dense equivalent (same
 #    active FLOPs), bf16 autocast, plain PyTorch (no fairseq: the device's Python has no fairseq wheel).
 # The steps have time limits that together stay under 10 minutes. Record the figures in
-# benchmarks/kernel_notes.md and the README (device, date, command).
+# benchmarks/kernel_notes.md (device, date, command), which benchmarks/README.md links.
 set -uo pipefail
 OUT="${1:-${OUT:-gpu_out}}"
 mkdir -p "$OUT"

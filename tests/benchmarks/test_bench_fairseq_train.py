@@ -1,5 +1,5 @@
 """benchmarks/bench_fairseq_train.py at tiny sizes (four fairseq-train start-ups): that it runs, reports each run,
-and that the allocator changes no loss. Its figures are measured by running the script (README)."""
+and that the allocator changes no loss. Its figures are measured by running the script (benchmarks/README.md)."""
 import json
 import os
 import subprocess

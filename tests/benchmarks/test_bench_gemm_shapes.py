@@ -1,6 +1,6 @@
 """benchmarks/bench_gemm_shapes.py, and bench_layer.py's --keep-freed-memory and --tutel, at tiny sizes (in a
 subprocess each: mallopt changes the allocator of the whole process). The figures are measured by running the
-scripts (README)."""
+scripts (benchmarks/README.md)."""
 import json
 import os
 import subprocess

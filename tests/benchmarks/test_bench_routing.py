@@ -1,6 +1,6 @@
 """benchmarks/bench_routing.py and benchmarks/gate_ablation.py's table, at tiny sizes.
 
-The figures themselves are measured by running the scripts (README); these tests check that every routing
+The figures themselves are measured by running the scripts (benchmarks/README.md); these tests check that every routing
 policy runs through the layer benchmark with the right baseline (the rows its routing produced, or dense
 FFNs of the same expert FLOPs), and that the ablation's kept rows are reused only for the same budget
 and flags.

@@ -260,7 +260,7 @@ def test_fairseq_train_tasks_of_one_procid_stop_within_seconds(scontrol, tmp_pat
 
 
 def test_slurm_up_gives_the_node_every_cpu_whatever_omp_num_threads_says():
-    """nproc honours OMP_NUM_THREADS, which the README has multi-process CPU users set: the node had 1 CPU and a
+    """nproc honours OMP_NUM_THREADS, which the README and docs/parallel.md have multi-process CPU users set: the node had 1 CPU and a
     2-task srun waited forever. The script's CPU count, run as the script runs it, under OMP_NUM_THREADS=1."""
     script = open(os.path.join(ROOT, "scripts", "slurm_up.sh")).read()
     (line,) = [x for x in script.splitlines() if x.startswith("CPUS=")]
