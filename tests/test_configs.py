@@ -9,7 +9,7 @@ import torch
 
 from tests.fairseq_moe.helpers import USER_DIR
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 TINY = [("translation/moe_transformer_tiny", "data_bin", ["task.source_lang=src", "task.target_lang=tgt"]),

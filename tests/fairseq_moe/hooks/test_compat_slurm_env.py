@@ -15,7 +15,7 @@ import pytest
 from fairseq_moe.hooks import compat
 from fairseq_moe.errors import FlagError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # A healthy task: the second of a 2-task step on one node, n1.
 TASK = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2",
@@ -173,7 +173,7 @@ TASK_SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
-from fairseq_moe import cli, compat
+from fairseq_moe.hooks import cli, compat
 
 def main():
     for _ in range(2):  # (as fairseq-eval-lm does: fairseq's start, then spread.py)

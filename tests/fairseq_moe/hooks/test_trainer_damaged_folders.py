@@ -176,7 +176,7 @@ import os, resource, signal, sys
 import fairseq  # first: importing the plugin (from the --user-dir fairseq will name) then registers it
 fault, victim, user_dir = sys.argv[1:4]
 sys.path.insert(0, os.path.dirname(user_dir))
-from fairseq_moe import commit
+from fairseq_moe.checkpoints import commit
 mine = lambda path: os.environ.get("RANK", "0") == victim and "checkpoint_1_4" in path  # (one process: rank 0)
 write, step = commit.write_synced, commit.SetSave._step
 def faulty_write(obj, path):
