@@ -32,11 +32,11 @@ import torch
 
 from .checkpoints import sets as shards
 from .checkpoints import safe_load as safe_eval
-from .errors import CheckpointError, FlagError
+from .errors import CheckpointError
 from fairseq_moe_layer.routing import TopK
-from .checkpoints.new_files import refuse_existing, write_new
-from .checkpoints.command import PROG, parser, run, safe_globals
-from .upcycle import moe_checkpoint, section
+from .checkpoints.new_files import write_new
+from .checkpoints.command import PROG, new_checkpoint, parser, run, safe_globals
+from .checkpoints.state import every_nth, moe_checkpoint, section
 
 _EXPERT = re.compile(r"^(?P<layer>(?:encoder|decoder)\.layers\.\d+)\.moe_layer\.experts\.(?P<j>\d+)\."
                      r"(?P<fc>fc1|fc2)\.(?P<kind>weight|bias)$")
@@ -163,15 +163,6 @@ def _field(cfg, key, kind, default, path, choices=None):
     return float(value) if kind is float else value
 
 
-def every_nth(indices, count):
-    """N when `indices` (0-based, sorted) are exactly every N-th of `count` layers (layers N-1, 2N-1, ...), 0 when
-    there are none, None otherwise."""
-    if not indices:
-        return 0
-    freq = indices[0] + 1
-    return freq if indices == [i for i in range(count) if (i + 1) % freq == 0] else None
-
-
 def layer_freq(indices, count, side):
     """The --{side}-moe-freq that makes exactly `indices` (0-based) of `count` layers MoE, or an error."""
     freq = every_nth(indices, count)
@@ -183,9 +174,7 @@ def layer_freq(indices, count, side):
 
 def convert(prefix, out):
     """Write OUT from the moe-branch set at prefix; returns {MoE layer: E}."""
-    if not out.endswith(".pt"):
-        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
-    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    new_checkpoint(out)
     shared_path, rank_files = find_files(prefix)
     state = _read(shared_path, "the shared file of the set")
     cfg = _model_cfg(state, shared_path)

@@ -25,7 +25,8 @@ from argparse import Namespace
 
 from .errors import CheckpointError, FlagError
 from .checkpoints.new_files import one_line, refuse_existing
-from .checkpoints.command import PROG, parser, read_any, run, safe_globals
+from .checkpoints.command import PROG, check_data, parser, read_any, run, safe_globals
+from .checkpoints.state import every_nth, section
 
 _MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
 _RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".encoder_attn.", ".cross_attention."),
@@ -45,8 +46,6 @@ def _flags(state, path):
 
 def sparse_step(layers, count, side):
     """NllbMoe's {side}_sparse_step for MoE layers at these indices of count layers (0: none), or an error."""
-    from .convert_moe_branch import every_nth
-
     step = every_nth(layers, count)
     if step is None:
         raise FlagError(f"the {side}'s MoE layers {layers} are not every N-th of {count} layers: NllbMoe's "
@@ -178,9 +177,6 @@ def hf_weights(model):
 def vocabulary(state, path, data):
     """[symbol of each id] of the checkpoint's task's source dictionary (its language tokens included)."""
     from fairseq import tasks
-
-    from .inspect import check_data
-    from .upcycle import section
 
     task_cfg = section(state["cfg"], "task", path)
     folder = data or task_cfg.get("data")

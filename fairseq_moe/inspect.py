@@ -23,7 +23,6 @@ A multilingual model (translation_multi_simple_epoch): each expert's share of th
 and language pair, over each pair's --subset (teacher-forced, as at evaluation): DIR/expert_use_by_pair.txt
 and DIR/expert_use_by_pair.png (a heat map per layer: do the experts specialise?).
 """
-import argparse
 import contextlib
 import json
 import os
@@ -34,7 +33,8 @@ from pathlib import Path
 import torch
 
 from . import with_fairseq
-from .checkpoints.command import PROG, config_file, parser, read_text, run
+from .checkpoints.command import PROG, check_data, config_file, parser, read_text, run
+from .checkpoints.state import task_config
 from .errors import CheckpointError, FlagError
 from .checkpoints.new_files import refuse_existing, write_new
 
@@ -61,17 +61,6 @@ def load(checkpoint, data, overrides=None):
     return model.eval(), task
 
 
-def task_config(state, path):
-    """The task's settings saved in the checkpoint state read from path, as a dict ({} when there are none)."""
-    cfg = state.get("cfg") if isinstance(state, dict) else None
-    if not isinstance(state, dict) or not isinstance(cfg or {}, dict):
-        raise CheckpointError(f"{path}: not a fairseq checkpoint (no dict with a cfg)")
-    task = (cfg or {}).get("task") or state.get("args")  # (args: a checkpoint of fairseq < 0.10)
-    if isinstance(task, argparse.Namespace):
-        return vars(task)
-    return dict(task) if isinstance(task, dict) else {}
-
-
 def check_task_json(state, path):
     """The JSON settings fairseq's translation task parses when it builds the model (with --eval-bleu) are JSON
     objects, or one line names the file and the field (fairseq would stop on a JSONDecodeError)."""
@@ -87,46 +76,6 @@ def check_task_json(state, path):
         if not ok:
             raise CheckpointError(f"{path}: cfg.task.{key} = {str(value)[:60]!r} is not a JSON object (--"
                                   f"{key.replace('_', '-')}), which fairseq's task parses to build the model")
-
-
-def check_data(state, path, data):
-    """--data holds the dictionaries the task of the checkpoint (state, read from path) reads (dict.SRC.txt and
-    dict.TGT.txt for translation, dict.txt for a language model), or one line says what is missing."""
-    if not Path(data).is_dir():
-        what = "a file, not a folder" if Path(data).exists() else "no such folder"
-        raise FlagError(f"--data {data}: {what} (the data-bin the checkpoint was trained on)")
-    cfg = task_config(state, path)
-    if not cfg:
-        return  # (nothing to tell the task by: fairseq's own error, if any)
-    pair_saved = None not in (cfg.get("source_lang"), cfg.get("target_lang"))
-    if "source_lang" in cfg and (cfg.get("lang_pairs") or not pair_saved) and \
-            len(list(Path(data).glob("dict.*.txt"))) < 2:  # multilingual, or a pair to infer from the dictionaries
-        missing, kind = ["dict.SRC.txt and dict.TGT.txt"], "a translation task"
-    elif "source_lang" in cfg and not cfg.get("lang_pairs"):  # bilingual translation
-        langs = language_pair(cfg, data)
-        missing = [f"dict.{lang}.txt" for lang in langs if not (Path(data) / f"dict.{lang}.txt").is_file()]
-        kind = f"a translation task ({'-'.join(langs)})"
-    elif "source_lang" in cfg:
-        missing = []
-    else:
-        missing, kind = [] if (Path(data) / "dict.txt").is_file() else ["dict.txt"], "a language model"
-    if missing:
-        raise FlagError(f"--data {data} has no {missing[0]}: the checkpoint is of {kind}; give the data-bin "
-                        f"it was trained on")
-
-
-def language_pair(cfg, data):
-    """(source, target) of a bilingual translation task's settings cfg: as saved, or where the checkpoint saved
-    none, as fairseq infers them from DATA (its train.SRC-TGT.* files), or one line saying it cannot."""
-    from fairseq.data.data_utils import infer_language_pair
-
-    langs = (cfg.get("source_lang"), cfg.get("target_lang"))
-    if None in langs:
-        langs = infer_language_pair(str(data).split(os.pathsep)[0])
-    if None in langs:
-        raise FlagError(f"--data {data}: the checkpoint saved no language pair and fairseq infers it from the "
-                        f"data-bin's train.SRC-TGT.* files; there are none: give the data-bin it was trained on")
-    return langs
 
 
 def check_split(task, subset):

@@ -29,12 +29,11 @@ from fractions import Fraction
 
 import torch
 
-from .checkpoints import sets as shards
 from .errors import FlagError
-from .checkpoints.new_files import refuse_existing, write_new
+from .checkpoints.new_files import write_new
 from . import with_fairseq
-from .checkpoints.command import PROG, parser, read_any, run
-from .upcycle import moe_checkpoint
+from .checkpoints.command import PROG, language_pair, new_checkpoint, parser, read_any, run
+from .checkpoints.state import moe_checkpoint, task_config
 
 
 def choose(mass, keep=None, keep_mass=None, multiple_of=1, top_k=2):
@@ -79,7 +78,7 @@ def pruned_state(state, kept, n, made_by, path):
 def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,
           max_tokens=4000):
     """Write OUT.pt; returns (n, E, {layer: (kept ids, share of the routed weight kept)})."""
-    from .inspect import language_pair, load, moe_layers, routed_weight, task_config
+    from .inspect import load, moe_layers, routed_weight
 
     if (keep is None) == (keep_mass is None):
         raise FlagError("give one of --keep F and --keep-mass M")
@@ -88,9 +87,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
             raise FlagError(f"{flag} {value}: a fraction in (0, 1]")
     if multiple_of < 1:
         raise FlagError(f"--multiple-of {multiple_of}: must be >= 1")
-    if not out.endswith(".pt"):
-        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
-    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    new_checkpoint(out)
     state = read_any(ckpt)
     model_cfg = (state.get("cfg") or {}).get("model")
     if not isinstance(model_cfg, Namespace) or not str(getattr(model_cfg, "arch", "")).startswith("moe_transformer"):

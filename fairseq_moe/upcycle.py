@@ -24,7 +24,6 @@ import math
 import os
 import re
 import sys
-from argparse import Namespace
 
 import torch
 
@@ -32,16 +31,12 @@ from .checkpoints import sets as shards
 from .checkpoints import safe_load as safe_eval
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.config import ACTIVATIONS
-from .checkpoints.new_files import refuse_existing, write_new
-from .checkpoints.command import PROG, parser, run, safe_globals
+from .checkpoints.new_files import write_new
+from .checkpoints.command import PROG, new_checkpoint, parser, run, safe_globals
+from .checkpoints.state import moe_checkpoint, section
 
-# dense model -> (MoE model, its sides); dense task / criterion -> the MoE one
+# dense model -> (MoE model, its sides) (the tasks and criteria: checkpoints/state.py)
 MODELS = {"transformer": ("moe_transformer", ("encoder", "decoder")), "transformer_lm": ("moe_transformer_lm", ("decoder",))}
-TASKS = {"translation": "moe_translation", "language_modeling": "moe_language_modeling",
-         "translation_multi_simple_epoch": "moe_translation_multi_simple_epoch"}
-TASKS.update({v: v for v in TASKS.values()})
-CRITERIONS = {"cross_entropy": "moe_cross_entropy", "label_smoothed_cross_entropy": "moe_label_smoothed_cross_entropy"}
-CRITERIONS.update({v: v for v in CRITERIONS.values()})
 _FFN = re.compile(r"^(?P<side>encoder|decoder)\.layers\.(?P<i>\d+)\.fc1\.weight$")
 
 
@@ -56,16 +51,6 @@ def chosen_layers(layers, side, moe_freq, side_freq):
     """The indices of a side's layers that become MoE (the training rule of models/moe_transformer.py)."""
     freq = side_freq or moe_freq
     return [i for i in range(layers) if freq > 0 and (i + 1) % freq == 0]
-
-
-def section(cfg, name, path):
-    """cfg[name] of a checkpoint's config as a dict (fairseq 0.12 keeps argparse models' as a Namespace)."""
-    value = cfg.get(name) if isinstance(cfg, dict) else None
-    if isinstance(value, Namespace):
-        return vars(value).copy()
-    if isinstance(value, dict):
-        return dict(value)
-    raise CheckpointError(f"{path}: its config has no {name} section: not a checkpoint of fairseq >= 0.10")
 
 
 def read_dense(path):
@@ -97,32 +82,6 @@ def read_dense(path):
     return state, model, name, MODELS[name][1]
 
 
-def moe_checkpoint(state, weights, model_cfg, path, made_by):
-    """A fairseq checkpoint state (read from path) rewritten as one of our MoE models: these weights, this model
-    config (a Namespace: MoE models are argparse models in fairseq 0.12), the task and criterion mapped to the
-    MoE ones (a task without one is refused, naming it), no optimizer state, and extra_state[shards.MADE_BY] =
-    made_by ({"what": how it was made, ...}: loading it refuses to resume as if it had an optimizer state)."""
-    cfg = dict(state["cfg"], model=Namespace(**model_cfg))
-    task = section(cfg, "task", path)
-    if task.get("_name") not in TASKS:
-        dense = sorted(set(TASKS) - set(TASKS.values()))
-        raise CheckpointError(f"{path}: cfg.task._name = {task.get('_name')!r}; fairseq-moe's MoE tasks are "
-                              f"{', '.join(TASKS[name] for name in dense)} (from {', '.join(dense)})")
-    task["_name"] = TASKS[task["_name"]]
-    if "task" in task:  # (an argparse task's Namespace names itself twice)
-        task["task"] = task["_name"]
-    cfg["task"] = Namespace(**task) if isinstance(cfg["task"], Namespace) else task
-    criterion = cfg.get("criterion")
-    if isinstance(criterion, dict) and criterion.get("_name") in CRITERIONS:
-        cfg["criterion"] = dict(criterion, _name=CRITERIONS[criterion["_name"]])
-    extra = {k: v for k, v in shards.without_ema(state.get("extra_state")).items()  # (a dense EMA fits no MoE model)
-             if k != "moe_checkpoint"}
-    extra[shards.MADE_BY] = made_by
-    out = {k: v for k, v in state.items() if k != "last_optimizer_state"}  # (--finetune-from-model: a fresh one)
-    out.update(model=weights, cfg=cfg, extra_state=extra, args=None)  # (args would override cfg in fairseq)
-    return out
-
-
 def expert_copies(fc1_w, fc1_b, fc2_w, fc2_b, experts, noise=0.0, generator=None):
     """E copies of fc2(act(fc1(x))) in the Experts layout: w1 [E, d, f], b1 [E, f], w2 [E, f, d], b2 [E, d]
     (each weight times 1 + noise * N(0, 1), drawn per copy, when noise > 0)."""
@@ -148,15 +107,13 @@ def router_weights(experts, model_dim, router, generator):
 def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, top_k=2, top1_weight="prob",
             router="random", noise=0.0, seed=1):
     """Write OUT from DENSE (see the module's doc); returns {MoE layer: E}."""
-    if not out.endswith(".pt"):
-        raise FlagError(f"OUT {out}: name the checkpoint NAME.pt")
     if experts < 1 or top_k < 1 or top_k > experts:
         raise FlagError(f"--experts {experts} and --top-k {top_k}: need 1 <= k <= E")
     if min(moe_freq, encoder_moe_freq, decoder_moe_freq) < 0:
         raise FlagError("--moe-freq, --encoder-moe-freq and --decoder-moe-freq must be >= 0")
     if not (math.isfinite(noise) and noise >= 0):
         raise FlagError(f"--noise {noise}: must be >= 0")
-    refuse_existing([out, shards.shared_path(shards.set_base(out))])
+    new_checkpoint(out)
     state, model_cfg, name, sides = read_dense(src)
     if "encoder" not in sides and encoder_moe_freq:
         raise FlagError(f"--encoder-moe-freq: {src} is a language model (decoder only)")

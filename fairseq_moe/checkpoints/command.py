@@ -1,5 +1,8 @@
-"""What every command of the package (`python -m fairseq_moe.NAME`: reshard, consolidate, upcycle,
-convert_moe_branch, export_hf, prune, inspect, plot) shares: its name, and one way to end.
+"""The kit every command of the package (`python -m fairseq_moe.NAME`, one file fairseq_moe/NAME.py each) is built
+on: its name (PROG) and parser, one way to end (run), reading any checkpoint (read_any: a set whole or a file;
+locate, config_file), a text file (read_text) or a data-bin's dictionaries (check_data), and the name of a new
+checkpoint (new_checkpoint; new_files.write_new writes it). The commands are found by their files (a module at the
+top of fairseq_moe/ with a main): there is no list of them to add a new one to.
 
 PROG is how the user called the command, `python -m fairseq_moe.NAME`, the same name argparse's own usage
 errors print. Bad input (a FlagError, CheckpointError or InputError, or an OSError of a file given: missing, a
@@ -11,10 +14,12 @@ unless a command asks for the plugin, no torch import unless it reads a checkpoi
 """
 import argparse
 import errno
+import fnmatch
+import os
 import sys
 
 from ..errors import CheckpointError, FlagError, MissingCheckpointError, SaveError
-from .new_files import one_line
+from .new_files import one_line, refuse_existing
 
 PROG = "python -m fairseq_moe.{}"
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
@@ -125,3 +130,64 @@ def read_text(path, flag):
     except UnicodeDecodeError as e:
         raise InputError(f"{flag} {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}; "
                          f"fairseq-interactive reads UTF-8 too): convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def new_checkpoint(out, flag="OUT"):
+    """Refuse a checkpoint name to write one file at that is not NAME.pt, or is taken: by a file (a link too) or
+    by the set NAME (NAME-shared.pt, which a reader of NAME.pt would weigh against the file). Nothing is written."""
+    if not str(out).endswith(".pt"):
+        raise FlagError(f"{flag} {out}: name the checkpoint NAME.pt")
+    from . import sets as shards
+
+    refuse_existing([str(out), shards.shared_path(shards.set_base(str(out)))], out=flag)
+
+
+def infer_language_pair(folder):
+    """(source, target) as fairseq's data_utils.infer_language_pair finds them in a data-bin (the first file
+    named SPLIT.SRC-TGT.*), or (None, None)."""
+    for name in os.listdir(folder):
+        parts = name.split(".")
+        if len(parts) >= 3 and len(parts[1].split("-")) == 2:
+            return parts[1].split("-")
+    return None, None
+
+
+def language_pair(cfg, data):
+    """(source, target) of a bilingual translation task's settings cfg: as saved, or where the checkpoint saved
+    none, as fairseq infers them from DATA (its train.SRC-TGT.* files), or one line saying it cannot."""
+    langs = (cfg.get("source_lang"), cfg.get("target_lang"))
+    if None in langs:
+        langs = infer_language_pair(str(data).split(os.pathsep)[0])
+    if None in langs:
+        raise FlagError(f"--data {data}: the checkpoint saved no language pair and fairseq infers it from the "
+                        f"data-bin's train.SRC-TGT.* files; there are none: give the data-bin it was trained on")
+    return langs
+
+
+def check_data(state, path, data):
+    """--data holds the dictionaries the task of the checkpoint (state, read from path) reads (dict.SRC.txt and
+    dict.TGT.txt for translation, dict.txt for a language model), or one line says what is missing."""
+    from .state import task_config
+
+    if not os.path.isdir(data):
+        what = "a file, not a folder" if os.path.exists(data) else "no such folder"
+        raise FlagError(f"--data {data}: {what} (the data-bin the checkpoint was trained on)")
+    cfg = task_config(state, path)
+    if not cfg:
+        return  # (nothing to tell the task by: fairseq's own error, if any)
+    dictionaries = fnmatch.filter(os.listdir(data), "dict.*.txt")
+    pair_saved = None not in (cfg.get("source_lang"), cfg.get("target_lang"))
+    if "source_lang" in cfg and (cfg.get("lang_pairs") or not pair_saved) and \
+            len(dictionaries) < 2:  # multilingual, or a pair to infer from the dictionaries
+        missing, kind = ["dict.SRC.txt and dict.TGT.txt"], "a translation task"
+    elif "source_lang" in cfg and not cfg.get("lang_pairs"):  # bilingual translation
+        langs = language_pair(cfg, data)
+        missing = [f"dict.{lang}.txt" for lang in langs if not os.path.isfile(os.path.join(data, f"dict.{lang}.txt"))]
+        kind = f"a translation task ({'-'.join(langs)})"
+    elif "source_lang" in cfg:
+        missing = []
+    else:
+        missing, kind = [] if os.path.isfile(os.path.join(data, "dict.txt")) else ["dict.txt"], "a language model"
+    if missing:
+        raise FlagError(f"--data {data} has no {missing[0]}: the checkpoint is of {kind}; give the data-bin "
+                        f"it was trained on")
