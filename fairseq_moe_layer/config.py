@@ -58,10 +58,7 @@ class LayerSettings:
         0.25, "at validation/generation: ceil(FR * T) per expert; < 0: as training; 0: dropless (tiny archs: 0)",
         le=1, note="(< 0: as training, 0: dropless, else a fraction of the tokens)", metavar="FR")
     gate: str = setting(
-        "linear", "the router: a linear map (GShard, Switch); cosine similarity in a 256-d projection over a "
-                  "learned temperature (init 0.5, clamped at >= 0.01: Tutel's; checkpoints from before it load "
-                  "with the fixed 0.07 they were trained with); or `scale x cos(x, phi_e)` with one learned "
-                  "scale (Soft MoE's normalised router, for any routing)", choices=GATES)
+        "linear", "the router, which makes each token's logits", choices=GATES)
     gate_fp32: bool = setting(True, "gate projection in fp32 (softmax and top-k are fp32 always)",
                               "--moe-gating-use-fp32", negative="--no-moe-gating-use-fp32")
     activation: str = setting("relu", "the experts' activation", "--activation-fn", choices=ACTIVATIONS, cli=False)

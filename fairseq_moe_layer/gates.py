@@ -1,8 +1,9 @@
 """Gates: a gate maps tokens x[T, d] to router logits[T, E], nothing more.
 
 Softmax, top-k, capacity and the losses live once in routing.py and losses.py, so no gate can
-compute them differently. A new gate is one class here plus one GATES entry; the contract tests in
-tests/fairseq_moe_layer/test_gates.py run every registered gate.
+compute them differently. A new gate is one class here with its `help` (shown with --moe-gate's choices),
+registered by @register_gate("name"); the contract tests in tests/fairseq_moe_layer/test_gates.py run every
+registered gate.
 """
 import math
 
@@ -22,13 +23,30 @@ def registrar(table):
 
 
 GATES = {}
-register_gate = registrar(GATES)
+
+
+def register_gate(name, help=None):
+    """@register_gate("name") on a gate class (Gate(model_dim, num_logits, fp32=...)): GATES[name] is it. Its
+    help (help=, or the class's `help`) says what it does in --moe-gate's help and the flag table; a gate
+    without one is refused."""
+    def wrap(cls):
+        if help is not None:
+            cls.help = help
+        if not isinstance(getattr(cls, "help", None), str) or not cls.help.strip():
+            raise ValueError(f"gate {name!r} has no help: give it a class attribute help = \"what it does\" (or "
+                             f"register_gate({name!r}, help=...)); --moe-gate's help shows it")
+        return registrar(GATES)(name)(cls)
+    return wrap
+
+
 NOISES = ("none", "jitter", "gaussian")  # --moe-gate-noise
 
 
 @register_gate("linear")
 class LinearGate(nn.Module):
     """logits = x @ weight.T, weight [E, d] kept in fp32 (GShard, Switch, fairseq's moe branch)."""
+
+    help = "a linear map (GShard, Switch)"
 
     def __init__(self, model_dim, num_experts, fp32=True):
         super().__init__()
@@ -49,6 +67,8 @@ class CosineGate(nn.Module):
     The temperature is learned, as log(1 / t), and clamped at t >= 0.01 (Tutel's CosineTopKGate: init
     t = 0.5, a 256-d projection with a bias)."""
 
+    help = ("cosine similarity in a 256-d projection over a learned temperature (init 0.5, clamped at >= 0.01: "
+            "Tutel's; checkpoints from before it load with the fixed 0.07 they were trained with)")
     MIN_TEMPERATURE = 0.01
     FIXED_TEMPERATURE = 0.07  # what checkpoints of fairseq-moe before the learned temperature were trained with
 
@@ -82,6 +102,8 @@ class ScaledCosineGate(nn.Module):
     """logits = scale * cos(x, phi_i): Soft MoE's normalised router (Puigcerver et al. 2023, sec. 2.3): x and
     each row of weight [E, d] l2-normalised, times one learned scalar (init 1), so that the logits do not
     grow with the model's width. With --moe-routing soft, the rows are the slots' parameters."""
+
+    help = "`scale x cos(x, phi_e)` with one learned scale (Soft MoE's normalised router, for any routing)"
 
     def __init__(self, model_dim, num_experts, fp32=True):
         super().__init__()

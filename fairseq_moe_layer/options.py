@@ -93,8 +93,8 @@ def refusal(cls, obj):
 
 
 def full_help(f):
-    """A setting's help; for a choice among a registry whose entries have a help (the routing policies), with
-    theirs, so that a new entry documents itself."""
+    """A setting's help; for a choice among a registry whose entries have a help (the routing policies, the
+    gates), with theirs, so that a new entry documents itself."""
     m, registry = f.metadata, f.metadata["choices"]
     entries = [f"{name}: {entry.help}" for name, entry in sorted(registry.items()) if getattr(entry, "help", "")] \
         if isinstance(registry, dict) else []

@@ -1,10 +1,16 @@
 """Contract of every registered gate (fairseq_moe_layer.GATES): logits [T, E] in fp32 for fp32, fp64
 and bf16 input, with either gate_fp32 setting; gradient reaches every gate parameter; the gate
-works inside MoELayer(gate=name), including the all-padding path."""
+works inside MoELayer(gate=name), including the all-padding path; each has a help, shown with --moe-gate's
+choices, and one without is refused."""
+import dataclasses
+import re
+
 import pytest
 import torch
+from torch import nn
 
-from fairseq_moe_layer import GATES, MoEConfig, MoELayer
+from fairseq_moe_layer import GATES, MoEConfig, MoELayer, register_gate
+from fairseq_moe_layer.options import full_help
 
 d, E = 16, 6
 
@@ -99,3 +105,28 @@ def test_cosine_gate_checkpoint_from_before_the_learned_temperature():
     want = torch.nn.functional.cosine_similarity(
         torch.nn.functional.linear(x, old["proj.weight"])[:, None, :], old["weight"][None, :, :], dim=-1) / 0.07
     torch.testing.assert_close(gate(x), want)
+
+
+@pytest.mark.parametrize("name", sorted(GATES))
+def test_every_gate_has_a_help_that_the_flag_shows(name):
+    """--moe-gate's help (and the flag table) names each gate with its help, as --moe-routing's does each policy."""
+    help = GATES[name].help
+    assert isinstance(help, str) and help.strip(), name
+    gate = next(f for f in dataclasses.fields(MoEConfig) if f.name == "gate")
+    assert f"{name}: {help}" in full_help(gate)
+
+
+def test_a_gate_without_help_is_refused_at_registration():
+    class Helpless(nn.Module):
+        def forward(self, x):
+            return x
+
+    for how in (register_gate("helpless"), register_gate("helpless", help="  ")):
+        with pytest.raises(ValueError, match=re.escape("gate 'helpless' has no help")):
+            how(Helpless)
+        assert "helpless" not in GATES
+    try:  # help= gives it one
+        assert register_gate("helpless", help="says nothing")(Helpless).help == "says nothing"
+        assert "helpless: says nothing" in full_help(next(f for f in dataclasses.fields(MoEConfig) if f.name == "gate"))
+    finally:
+        GATES.pop("helpless", None)

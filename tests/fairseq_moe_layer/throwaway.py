@@ -35,6 +35,8 @@ class BestExpert(Policy):
 class TanhGate(nn.Module):
     """logits = 3 tanh(x w^T): a gate with no .weight (the layer must not need one)."""
 
+    help = "a throw-away gate of the registration test: 3 tanh(x w^T)"
+
     def __init__(self, model_dim, num_experts, fp32=True):
         super().__init__()
         self.fp32 = fp32
