@@ -1,6 +1,6 @@
 """Rewriting a model's state, what the commands that make a checkpoint share (upcycle, convert_moe_branch,
-prune, export_hf, average): the sections of its config, the MoE checkpoint written from new weights, the layer
-pattern of every N-th layer, the average of several states. No fairseq import.
+prune, export_hf): the sections of its config, the MoE checkpoint written from new weights, the layer
+pattern of every N-th layer. No fairseq import.
 """
 import argparse
 from argparse import Namespace
