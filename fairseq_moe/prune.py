@@ -113,7 +113,7 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
     layers = moe_layers(model)
     for name, layer in layers:  # the router must pick among the kept experts by their scores alone
         cfg = layer.cfg
-        if cfg.routing != "topk" or cfg.expert_groups != 1 or not layer.policy.learned_router:
+        if not layer.policy.picks_by_score or cfg.expert_groups != 1 or not layer.policy.learned_router:
             raise FlagError(f"{name}: --moe-routing {cfg.routing}" + (f" with --moe-expert-groups {cfg.expert_groups}"
                             if cfg.expert_groups != 1 else "") + " does not choose experts by router scores alone "
                             "(pruning keeps some experts and lets the router choose among them): prune top-k models")

@@ -136,7 +136,7 @@ class LayerSettings:
         for name in ("expert_output_masking", "final_output_masking", "cmr"):
             if policy.slots and getattr(self, name):
                 bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
-        if self.capacity_counts_padding and (policy.slots or policy.name == "dense"):
+        if self.capacity_counts_padding and not policy.has_capacity:
             bad("capacity_counts_padding", f"has no capacity to set with --moe-routing {self.routing}")
         if not policy.dropless and not self.capacity_factor > 0:
             bad("capacity_factor", f"must be > 0 with --moe-routing {self.routing} (it has no dropless form)")

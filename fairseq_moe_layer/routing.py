@@ -62,6 +62,12 @@ class Policy:
     slots = False  # tokens are mixed into slots, none is routed: forward() replaces the per-token data path,
     # on groups x [G, n, d] (a sentence each in fairseq)
     dropless = True  # has a dropless form (--moe-capacity-factor 0)
+    has_capacity = True  # assignments over a capacity (MoEConfig.capacity) are dropped (False: none is ever
+    # dropped, the capacity's settings have nothing to set)
+    every_expert = False  # every token goes to every expert, weighted: no selection (top_k and the capacity are
+    # not used)
+    picks_by_score = False  # each token chooses its experts by the router's scores alone, among whichever experts
+    # the layer has (fairseq_moe.prune may keep some of them)
     only_top_k = None  # the one k it takes (None: any k <= E)
     dropped = "the fraction of the T*k assignments over capacity"  # what Routing.dropped is for it
 
@@ -123,6 +129,7 @@ class TopK(Policy):
     """
 
     help = "each token picks its k experts"
+    picks_by_score = True
     options = dict(
         second_expert_policy=setting(
             "all", "topk, training: choices 2..k are the best (all), drawn by Gumbel-max from the softmax of the "
@@ -341,6 +348,8 @@ class Dense(Policy):
 
     help = "every token to every expert, weighted"
     balance_loss = False
+    has_capacity = False
+    every_expert = True
     dropped = "always 0"
 
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
@@ -374,6 +383,7 @@ class Soft(Policy):
     mixes_tokens = True
     balance_loss = False
     slots = True
+    has_capacity = False
     dropped = "always 0"
 
     def router_outputs(self, cfg):

@@ -3,6 +3,7 @@ an independent plain-loop oracle: expert choice (Zhou et al. 2022) gives every e
 dense sends every token to every expert. Gate noise, per-call settings and the eval top-k."""
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -283,3 +284,36 @@ def test_every_policy_takes_zero_tokens(name, shape):
     assert y.shape == shape and aux.num_tokens == 0
     (y.sum() + aux.balance_loss + aux.z_loss).backward()
     assert float(aux.balance_loss) == float(aux.z_loss) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_the_capacity_settings_follow_the_policys_properties(name):
+    """--moe-capacity-counts-padding is refused exactly for the policies that have no capacity (Policy.has_capacity
+    False: dense, soft); a policy that sends every token to every expert drops nothing."""
+    policy = ROUTINGS[name]
+    cfg = MoEConfig(model_dim=4, ffn_dim=4, num_experts=E, routing=name, top_k=policy.only_top_k or 2,
+                    capacity_counts_padding=True)
+    if policy.has_capacity:
+        assert cfg.validate() is cfg
+    else:
+        with pytest.raises(ValueError, match=re.escape("--moe-capacity-counts-padding (capacity_counts_padding) "
+                                                       f"has no capacity to set with --moe-routing {name}")):
+            cfg.validate()
+    if policy.every_expert:
+        assert not policy.has_capacity and not policy.slots
+        r = policy(logits_for(3).float(), 2, capacity=1, cfg=cfg)
+        assert r.counts.tolist() == [T] * E and float(r.dropped) == 0
+
+
+def test_no_module_of_the_layer_but_routing_names_a_policy():
+    """Behaviour follows the policies' properties: no module of fairseq_moe_layer but routing.py spells a policy's
+    name as a string (the default of --moe-routing is TopK.name)."""
+    from pathlib import Path
+
+    folder = Path(__file__).parents[2] / "fairseq_moe_layer"
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "routing.py":
+            continue
+        text = path.read_text()
+        for name in ROUTINGS:
+            assert f'"{name}"' not in text and f"'{name}'" not in text, (path.name, name)
