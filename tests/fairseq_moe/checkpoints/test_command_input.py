@@ -6,6 +6,7 @@ Each row of TRIALS: the command, a builder of its argv (and of the fragment the 
 context, and the exit code. The models are trained once per module, each only when a row asks for it.
 """
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -17,14 +18,20 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()  # (what tests/fairseq_moe/conftest.py does: fairseq has loaded the plugin)
 
-from fairseq_moe import (consolidate, convert_moe_branch, export_hf, inspect, plot, prune,  # noqa: E402
-                         reshard, upcycle)
-
 from tests.fairseq_moe.helpers import ML_ARGS, run_train, train_argv  # noqa: E402
 
-COMMANDS = {"reshard": reshard, "consolidate": consolidate, "upcycle": upcycle,
-            "convert_moe_branch": convert_moe_branch, "export_hf": export_hf, "prune": prune, "inspect": inspect,
-            "plot": plot}
+# Every command, found by its file: a module at the top of fairseq_moe/ with a main (the door's files have none).
+# launch, which runs other programs and is loaded from its file alone, has its own test at the end.
+PACKAGE = os.path.dirname(fairseq_moe.__file__)
+
+
+def has_main(f):
+    with open(os.path.join(PACKAGE, f), encoding="utf-8") as source:
+        return "\ndef main(" in source.read()
+
+
+COMMANDS = {f[:-3]: importlib.import_module(f"fairseq_moe.{f[:-3]}") for f in sorted(os.listdir(PACKAGE))
+            if f.endswith(".py") and f != "launch.py" and has_main(f)}
 # NllbMoe's architecture (what export_hf takes): pre-norm, one shared embedding, every layer MoE
 NLLB_LIKE = ("--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
              "--moe-capacity-rounding", "per_choice", "--moe-token-priority", "sentence",
@@ -190,6 +197,11 @@ TRIALS = [
     ("plot --stats a folder", "plot", lambda t: (
         [plot_run(t.tmp, log=""), t.tmp / "o", "--stats", t.tmp], "a folder, not a file"), 2),
     ("reshard onto a full disk", "reshard", reshard_onto_a_full_disk, 1),
+    ("average: two models", "average", lambda t: (
+        ["--inputs", t.nllb_like, t.multilingual, "--output", t.tmp / "avg.pt"], "not the same model"), 2),
+    ("average --num-update-checkpoints more than there are", "average", lambda t: (
+        ["--inputs", t.file("checkpoint_1_2.pt", t.nllb_like.read_bytes()).parent, "--num-update-checkpoints", "2",
+         "--output", t.tmp / "avg.pt"], "--num-update-checkpoints 2: "), 2),
 ]
 
 
@@ -214,7 +226,15 @@ MISSING = [
     ("inspect", lambda d: [d / "none.pt", "--data", d, "--input", d / "in.txt", "--out", d / "o"],
      "none.pt: no such checkpoint"),
     ("plot", lambda d: [d / "none", d / "o"], "RUN_DIR " + "{d}/none: no such folder"),
+    ("average", lambda d: ["--inputs", d / "none.pt", "--output", d / "out.pt"], "none.pt: no such checkpoint"),
 ]
+
+
+def test_every_command_has_its_rows():
+    """A new command (fairseq_moe/NAME.py with a main) is in COMMANDS by its file; its row of MISSING is the one
+    line here that names it (docs/architecture.md, "A command")."""
+    assert "reshard" in COMMANDS and "average" in COMMANDS
+    assert sorted(name for name, _, _ in MISSING) == sorted(COMMANDS)
 
 
 @pytest.mark.parametrize("name,argv,fragment", MISSING, ids=[row[0] for row in MISSING])
