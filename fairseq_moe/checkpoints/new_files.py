@@ -1,6 +1,6 @@
 """Tools write new files only: each output whole or not at all, never over a file or through a link that is
-there, and a command that fails takes back what it wrote (reshard, consolidate, upcycle, convert_moe_branch,
-inspect, plot). No torch import unless a checkpoint is written.
+there, and a command that fails takes back what it wrote (write_new: every command that writes a file).
+No torch import unless a checkpoint is written.
 """
 import contextlib
 import os
