@@ -370,16 +370,16 @@ def main(argv=None):
     p.add_argument("--lang-pairs", help="with --by-lang-pair: these pairs (default: the model's)")
     p.add_argument("--subset", default="test", help="with --by-lang-pair: the split of --data (default: test)")
     a = p.parse_args(argv)
-    if a.by_lang_pair == bool(a.input):
-        p.error("give --input FILE (sentences to show), or --by-lang-pair (expert use per language pair)")
-    given = [f for f, v in (("--target", a.target), ("--layer", a.layer), ("--spm", a.spm)) if v is not None] + (
-        ["--show"] if a.show != 5 else [])
-    if a.by_lang_pair and given:
-        p.error(f"{given[0]} goes with --input, not with --by-lang-pair")
-    if not a.by_lang_pair and (a.lang_pairs or a.subset != "test"):
-        p.error("--lang-pairs and --subset go with --by-lang-pair")
 
     def work():  # -> the files written
+        if a.by_lang_pair == bool(a.input):
+            raise FlagError("give --input FILE (sentences to show), or --by-lang-pair (expert use per language pair)")
+        given = [f for f, v in (("--target", a.target), ("--layer", a.layer), ("--spm", a.spm)) if v is not None] + (
+            ["--show"] if a.show != 5 else [])
+        if a.by_lang_pair and given:
+            raise FlagError(f"{given[0]} goes with --input, not with --by-lang-pair")
+        if not a.by_lang_pair and (a.lang_pairs or a.subset != "test"):
+            raise FlagError("--lang-pairs and --subset go with --by-lang-pair")
         if a.by_lang_pair:
             by_pair(a.checkpoint, a.data, a.out, a.lang_pairs, a.subset)
             return [Path(a.out) / "expert_use_by_pair.txt", Path(a.out) / "expert_use_by_pair.png"]

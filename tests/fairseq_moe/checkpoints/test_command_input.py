@@ -197,6 +197,9 @@ TRIALS = [
     ("plot --stats a folder", "plot", lambda t: (
         [plot_run(t.tmp, log=""), t.tmp / "o", "--stats", t.tmp], "a folder, not a file"), 2),
     ("reshard onto a full disk", "reshard", reshard_onto_a_full_disk, 1),
+    ("inspect --spm with --by-lang-pair", "inspect", lambda t: (
+        [t.tmp / "none.pt", "--data", t.tmp, "--by-lang-pair", "--spm", t.tmp / "m.model"],
+        "--spm goes with --input, not with --by-lang-pair"), 2),
     ("average: two models", "average", lambda t: (
         ["--inputs", t.nllb_like, t.multilingual, "--output", t.tmp / "avg.pt"], "not the same model"), 2),
     ("average --num-update-checkpoints more than there are", "average", lambda t: (
