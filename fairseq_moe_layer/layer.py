@@ -8,7 +8,7 @@
 Data path: gate -> route (the routing policy, routing.py; capacity) -> permute ->
 [all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
 spread over ranks (ep). A policy that mixes tokens into slots (Policy.slots) has its own data path
-(its forward()).
+(its forward()). The logits are made once, here (router_logits: the gate and the noise), for every policy.
 
 Letters: T tokens, d model dim, f expert FFN dim, E experts (E_local on this rank), k experts per token,
 N rows routed (sorted by expert), G groups and n tokens per group (Soft MoE).
@@ -80,7 +80,8 @@ class MoELayer(nn.Module):
         if policy.slots:
             if top_k is not None or capacity_factor is not None:
                 raise ValueError(f"--moe-routing {cfg.routing} has no top-k and no capacity to set for a call")
-            return policy.forward(self, x, padding_mask)
+            logits, _ = self.router_logits(x.reshape(-1, x.shape[-1]))  # [every position, S] (padding too)
+            return policy.forward(self, x, logits, padding_mask)
         k = top_k or (cfg.eval_top_k if not self.training and cfg.eval_top_k else cfg.top_k)
         if k != cfg.top_k or capacity_factor is not None:
             cf = cfg.capacity_factor if capacity_factor is None else capacity_factor
@@ -100,8 +101,7 @@ class MoELayer(nn.Module):
         T = x.shape[0]
         ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
 
-        logits, clean = (None, None) if self.gate is None else noisy_logits(
-            self.gate, x, cfg.gate_noise, cfg.gate_noise_scale, self.training)  # [T, E] fp32
+        logits, clean = self.router_logits(x)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         bias = getattr(self, "routing_bias", None)
         counted = shape[:-1].numel() if cfg.capacity_counts_padding else T  # (the padding too: NLLB-MoE's capacity)
@@ -131,6 +131,15 @@ class MoELayer(nn.Module):
         if cmr is not None:
             aux.cmr_gate_sum = cmr.float().sum()  # (NLLB's cmr_gate_loss_num; num_tokens its denominator)
         return y.view(shape), aux
+
+    def router_logits(self, x):
+        """(logits, clean) of tokens x [T, d], made once per forward and handed to the policy, whichever it is:
+        the gate's logits [T, outputs] fp32 with all the layer applies to them (--moe-gate-noise, in training),
+        and the logits without the noise where they are known (None under jitter); (None, None) without a
+        learned router."""
+        if self.gate is None:
+            return None, None
+        return noisy_logits(self.gate, x, self.cfg.gate_noise, self.cfg.gate_noise_scale, self.training)
 
     def _masked(self, factors, p):
         """NLLB-MoE's output masking of what factors scale: in training each is zeroed with probability p (kept as it

@@ -4,7 +4,8 @@ A policy is one registered class (a Policy): its options (MoEConfig fields that 
 options.setting), its checks (check), its properties (read by the layer, the checks, the refusals and the
 fairseq glue, which spell no policy's name) and its route(): logits [T, E] -> a Routing, rows sorted by
 expert, each with its token and its weight. A policy that does not route tokens one by one (slots) has its
-own forward() instead.
+own forward(layer, x, logits, padding_mask) instead. Either way the logits are the layer's
+(MoELayer.router_logits: the gate and what the layer applies to them), made once per forward.
 - topk: each token picks its k experts; GShard priority dropping at capacity C. All in fp32 and without any
   [T, E, C] tensor: the T*k assignments are ordered by priority, sorted by expert (a stable sort keeps the
   priority order inside each expert), and an assignment is kept if its rank inside its expert is below C.
@@ -24,7 +25,7 @@ import torch
 from fairseq_moe_kernels import backend
 from fairseq_moe_kernels.reference import sort_assignments
 
-from .gates import noisy_logits, registrar
+from .gates import registrar
 from .losses import MoEAux, gate_entropy, router_z_loss
 from .options import setting
 
@@ -392,8 +393,9 @@ class Soft(Policy):
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         raise ValueError(f"--moe-routing {self.name} mixes tokens into slots (its forward): it routes no token")
 
-    def forward(self, layer, x, padding_mask=None):
-        """MoELayer.forward for this policy: (y [G, n, d] or [n, d], MoEAux)."""
+    def forward(self, layer, x, logits, padding_mask=None):
+        """MoELayer.forward for this policy: (y [G, n, d] or [n, d], MoEAux). logits [G * n, E * P]: the layer's
+        (MoELayer.router_logits of x's positions, padding too, in order)."""
         cfg = layer.cfg
         shape = x.shape
         if x.dim() not in (2, 3):
@@ -406,8 +408,6 @@ class Soft(Policy):
         G, n, d = x.shape
         E, P = cfg.num_experts, cfg.soft_slots
         ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
-        logits, _ = noisy_logits(layer.gate, x.reshape(-1, d), cfg.gate_noise, cfg.gate_noise_scale,
-                                 layer.training)
         logits = logits.view(G, n, E * P)
         dispatch, combine = soft_weights(logits, mask)  # [G, n, E*P], fp32
         slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*P, d]

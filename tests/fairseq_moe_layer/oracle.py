@@ -117,17 +117,19 @@ def topk_oracle(probs, k, capacity, order=None, before=False, valid=None):
     return torch.tensor(token_index, dtype=torch.long), torch.stack(weights), torch.tensor(counts)
 
 
-def soft_oracle(x, gate_weight, w1, b1, w2, b2, slots, padding=None, activation="relu"):
+def soft_oracle(x, gate_weight, w1, b1, w2, b2, slots, padding=None, activation="relu", noise=None):
     """Soft MoE (Puigcerver et al. 2023) on x [G, n, d], group by group, slot by slot: slot s is the sum
     over the group's real tokens of softmax_tokens(logits[:, s]) * x; expert s // slots runs on it; token t
-    gets the sum over slots of softmax_slots(logits[t]) * the slot's output."""
+    gets the sum over slots of softmax_slots(logits[t]) * the slot's output. noise [G, n, S]: added to each
+    token's logits (--moe-gate-noise gaussian)."""
     G, n, d = x.shape
     out = torch.zeros_like(x)
     for g in range(G):
         real = [t for t in range(n) if padding is None or not padding[g, t]]
         if not real:
             continue
-        logits = torch.stack([F.linear(x[g, t].float(), gate_weight.float()) for t in real])  # [r, S]
+        logits = torch.stack([F.linear(x[g, t].float(), gate_weight.float()) + (0 if noise is None else noise[g, t])
+                              for t in real])  # [r, S]
         S = logits.shape[1]
         slot_out = []
         for s in range(S):

@@ -317,3 +317,50 @@ def test_no_module_of_the_layer_but_routing_names_a_policy():
         text = path.read_text()
         for name in ROUTINGS:
             assert f'"{name}"' not in text and f"'{name}'" not in text, (path.name, name)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ROUTINGS if ROUTINGS[n].learned_router))
+def test_the_logits_are_made_once_per_forward_for_every_policy(name):
+    """The layer makes the logits (MoELayer.router_logits: the gate and its noise) and hands them to the policy,
+    whichever it is: the gate runs once per forward, under a policy of slots too."""
+    policy = ROUTINGS[name]
+    cfg = MoEConfig(model_dim=8, ffn_dim=6, num_experts=E, routing=name, top_k=policy.only_top_k or 2,
+                    gate_noise="gaussian", gate_noise_scale=0.5, capacity_factor=1.0)
+    layer = MoELayer(cfg).train()
+    calls = []
+    layer.gate.register_forward_hook(lambda module, inputs, output: calls.append(inputs[0].shape))
+    x = torch.randn(2, 5, 8)
+    layer(x, token_ids=torch.arange(10).view(2, 5)) if policy.needs_token_ids else layer(x)
+    assert calls == [torch.Size([10, 8])]
+
+
+def test_gate_noise_acts_under_soft_routing():
+    """--moe-gate-noise acts on the logits the soft policy mixes with: in training the output is the plain loop's
+    with the same noise added to each token's logits, and the z-loss that of the noisy logits; at eval none."""
+    from fairseq_moe_layer.losses import router_z_loss
+
+    from tests.fairseq_moe_layer.oracle import soft_oracle
+
+    slots, scale = 2, 0.7
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=3, routing="soft", soft_slots=slots, gate_noise="gaussian",
+                    gate_noise_scale=scale)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).double().train()
+    x = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    torch.manual_seed(4)
+    y, aux = layer(x, mask)
+    torch.manual_seed(4)
+    noise = torch.randn(15, 3 * slots) * scale  # (what noisy_logits draws: randn_like of the fp32 logits)
+    ex = layer.experts
+    params = [p.detach() for p in (layer.gate.weight, ex.w1, ex.b1, ex.w2, ex.b2)]
+    want = soft_oracle(x, *params, slots, mask, noise=noise.view(3, 5, -1))
+    clean = soft_oracle(x, *params, slots, mask)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(y, clean, rtol=1e-3, atol=1e-4)  # the noise changed the output
+    logits = torch.nn.functional.linear(x.reshape(15, 6).float(), params[0].float()) + noise
+    torch.testing.assert_close(aux.z_loss, router_z_loss(logits[~mask.reshape(-1)]))
+    layer.eval()
+    y_eval, _ = layer(x, mask)
+    torch.testing.assert_close(y_eval, clean, rtol=1e-5, atol=1e-7)
