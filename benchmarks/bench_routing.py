@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_routing.py --threads 1 --timer cpu     # every policy, E=32, T=16384
     .venv/bin/python benchmarks/bench_routing.py --policies topk,hash --E 8 --T 1024
 
-Per sparse policy (--moe-routing and the top-k options) the routing overhead = 1 - (the grouped MLP alone on
+One row per routing policy of the registry (fairseq_moe_layer.ROUTINGS), each followed by the variants of its
+settings (VARIANTS). Per sparse policy (--moe-routing and the top-k options) the routing overhead = 1 - (the grouped MLP alone on
 the rows that policy routed, with its per-expert counts) / (the layer): everything but the expert GEMMs (the
 gate, the policy, the gather/scatter and weighted sum, the aux losses), both forward+backward, interleaved,
-medians (bench_layer.py's timing). Dense and soft routing have no "rows routed": they are timed against dense
-FFNs of the same expert FLOPs (dense: E FFNs on T*k/E tokens; soft: groups of --soft-group tokens, k*group/E
+medians (bench_layer.py's timing). A policy that sends every token to every expert (Policy.every_expert: dense)
+or mixes tokens into slots (Policy.slots: soft) has no "rows routed": it is timed against dense FFNs of the
+same expert FLOPs (every expert: E FFNs on T*k/E tokens; slots: groups of --soft-group tokens, k*group/E
 slots per expert, against k FFNs on T tokens). See benchmarks/README.md.
 """
 import dataclasses
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_layer import dense_backward, dense_forward, finish, interleaved, moe_backward, parser, start  # noqa: E402
 from fairseq_moe.inspect import recording  # noqa: E402  (what a layer hands its expert computation)
 from fairseq_moe_kernels import backend  # noqa: E402
-from fairseq_moe_layer import MoEConfig, MoELayer  # noqa: E402
+from fairseq_moe_layer import ROUTINGS, MoEConfig, MoELayer  # noqa: E402
 from kernel_cases import DenseFFNs  # noqa: E402
 
 OVERHEAD_TARGET = (32, 16384, 0.15)  # the routing overhead of every sparse policy at (E, T)
@@ -44,44 +46,69 @@ def parse_args(argv=None):
     return args
 
 
-# name -> (MoEConfig fields for the policy at E experts, kind): "sparse" rows report the routing
-# overhead, "dense" and "soft" the time against dense FFNs of the same expert FLOPs.
-POLICIES = {
-    "topk": (lambda E: {}, "sparse"),
-    "topk-gaussian-noise": (lambda E: dict(gate_noise="gaussian", gate_noise_scale=1.0 / E), "sparse"),
-    "topk-moe-branch": (lambda E: dict(second_expert_policy="sampling", batch_prioritized_routing=True), "sparse"),
-    "topk-random-token-selection": (lambda E: dict(random_token_selection=True), "sparse"),
-    "sigmoid-bias": (lambda E: dict(score="sigmoid", bias_update_rate=1e-3), "sparse"),
-    "group-limited": (lambda E: dict(expert_groups=4, topk_groups=2), "sparse"),
-    "expert_choice": (lambda E: dict(routing="expert_choice"), "sparse"),
-    "hash": (lambda E: dict(routing="hash", top_k=1), "sparse"),
-    "dense": (lambda E: dict(routing="dense"), "dense"),
-    "soft": (lambda E: dict(routing="soft"), "soft"),
+# Variants of the settings: name -> the MoEConfig fields at E experts. Each runs under the policy whose options
+# it sets (Policy.options), or, for the layer's own settings, under --moe-routing's default, as a row
+# POLICY-VARIANT after that policy's own row.
+VARIANTS = {
+    "gaussian-noise": lambda E: dict(gate_noise="gaussian", gate_noise_scale=1.0 / E),
+    "moe-branch": lambda E: dict(second_expert_policy="sampling", batch_prioritized_routing=True),
+    "random-token-selection": lambda E: dict(random_token_selection=True),
+    "sigmoid-bias": lambda E: dict(score="sigmoid", bias_update_rate=1e-3),
+    "group-limited": lambda E: dict(expert_groups=4, topk_groups=2),
 }
+DEFAULT_ROUTING = next(f.default for f in dataclasses.fields(MoEConfig) if f.name == "routing")
+
+
+def kind_of(policy):
+    """"sparse" rows report the routing overhead; "all_experts" (every token to every expert) and "slots" the
+    time against dense FFNs of the same expert FLOPs."""
+    return "slots" if policy.slots else "all_experts" if policy.every_expert else "sparse"
+
+
+def _policies():
+    """name -> (its policy, the MoEConfig fields for it at E experts, kind), from the registry: every policy
+    (with the k it takes, Policy.only_top_k), then the variants of its settings."""
+    def owner(variant):
+        names = set(variant(8))
+        return next((p for p in ROUTINGS.values() if names & set(p.options)), ROUTINGS[DEFAULT_ROUTING])
+
+    rows = {}
+    for name, policy in ROUTINGS.items():
+        own = dict(routing=name, **({"top_k": policy.only_top_k} if policy.only_top_k else {}))
+        rows[name] = (policy, lambda E, own=own: dict(own), kind_of(policy))
+        for variant, fields in VARIANTS.items():
+            if owner(fields) is policy:
+                rows[f"{name}-{variant}"] = (policy, lambda E, own=own, fields=fields: {**own, **fields(E)},
+                                             kind_of(policy))
+    return rows
+
+
+POLICIES = _policies()
 
 
 def run_policy(args, name, E, T):
     """One policy at (E, T): the layer's step against its expert MLP alone (sparse) or dense FFNs of the
-    same expert FLOPs (dense: E FFNs on T*k/E tokens; soft: k FFNs on T tokens, k*group/E slots per expert)."""
-    fields, kind = POLICIES[name]
+    same expert FLOPs (every expert: E FFNs on T*k/E tokens; slots: k FFNs on T tokens, k*group/E slots per
+    expert)."""
+    policy, fields, kind = POLICIES[name]
     d, f, k = args.d, args.f, args.k
     fields = fields(E)
-    if kind == "soft":
+    if kind == "slots":
         if T % args.soft_group or (k * args.soft_group) % E:
-            raise SystemExit(f"soft: --T {T} must be a multiple of --soft-group {args.soft_group}, "
+            raise SystemExit(f"{name}: --T {T} must be a multiple of --soft-group {args.soft_group}, "
                              f"and k * group a multiple of E={E}")
         fields["soft_slots"] = k * args.soft_group // E
-    tokens = T * k // E if kind == "dense" else T  # dense routing: the expert FLOPs of top-k at T
+    tokens = T * k // E if kind == "all_experts" else T  # every token to every expert: the expert FLOPs of top-k at T
     cf = 0.0 if args.dropless else args.capacity_factor
-    if fields.get("routing") == "expert_choice" and not cf:
-        fields["capacity_factor"] = 1.0  # (no dropless form: each expert takes exactly k * T / E tokens)
+    if not policy.dropless and not cf:
+        fields["capacity_factor"] = 1.0  # (no dropless form: expert choice's experts take exactly k * T / E tokens)
     torch.manual_seed(args.seed)
     cfg = MoEConfig(model_dim=d, ffn_dim=f, num_experts=E, top_k=k, capacity_factor=cf, kernel_backend=args.backend)
     layer = MoELayer(dataclasses.replace(cfg, **fields)).train()
-    shape = (T // args.soft_group, args.soft_group, d) if kind == "soft" else (tokens, d)
+    shape = (T // args.soft_group, args.soft_group, d) if kind == "slots" else (tokens, d)
     x = torch.randn(*shape, requires_grad=True)
     grad_y = torch.randn(*shape)
-    token_ids = torch.randint(4, 10000, shape[:-1]) if layer.cfg.routing == "hash" else None
+    token_ids = torch.randint(4, 10000, shape[:-1]) if policy.needs_token_ids else None
 
     def layer_forward(model, x):
         return model(x, token_ids=token_ids) if token_ids is not None else model(x)
@@ -99,7 +126,7 @@ def run_policy(args, name, E, T):
         base_forward = lambda model, r: model(r, counts, ops)  # noqa: E731
         result["rows"] = rows.shape[0]
     else:
-        baseline = DenseFFNs(d, f, E if kind == "dense" else k, "relu", "cpu", torch.float32).train()
+        baseline = DenseFFNs(d, f, E if kind == "all_experts" else k, "relu", "cpu", torch.float32).train()
         base_x, base_grad, base_forward = x.detach().reshape(-1, d).clone().requires_grad_(), grad_y.reshape(-1, d), \
             dense_forward
     layer_ms, base_ms = interleaved(args, (layer_forward, moe_backward, layer, x, grad_y),
@@ -122,7 +149,7 @@ def print_policy_row(r=None):
     if r["kind"] == "sparse":
         base, value = f"its expert MLP ({r['rows']} rows)", f"{100 * r['overhead']:.1f}%"
     else:
-        n = r["E"] if r["kind"] == "dense" else r["k"]
+        n = r["E"] if r["kind"] == "all_experts" else r["k"]
         base, value = f"{n} dense FFNs on {r['T']} tokens", f"{r['flops_ratio']:.3f}x"
     vals = (r["policy"], str(r["E"]), str(r["T"]), f"{r['layer_ms']:.1f}", f"{r['base_ms']:.1f}", base, value)
     print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))), flush=True)

@@ -36,6 +36,9 @@ def test_every_policy_runs_against_its_baseline(bench, tmp_path):
                 "--warmup", "0", "--soft-group", str(group), "--threads", "1", "--dropless", "--json", str(out)])
     results = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     assert list(results) == list(bench.POLICIES)
+    from fairseq_moe_layer import ROUTINGS
+
+    assert [n for n in results if n in ROUTINGS] == list(ROUTINGS)  # every registered policy, from the registry
     for name, r in results.items():
         assert r["layer_ms"] > 0 and r["base_ms"] > 0, name
         if r["kind"] == "sparse":
