@@ -12,6 +12,15 @@ if not torch.cuda.is_available():
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 free now, for a rendezvous of ranks: fairseq_moe.launch's (below the kernel's
+    ephemeral range, so that no outgoing connection takes it before rank 0 listens). Every test takes its port
+    from here."""
+    from fairseq_moe.launch import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     n = torch.get_num_threads()

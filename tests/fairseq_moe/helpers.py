@@ -196,6 +196,20 @@ def unwrapped(main):
     return getattr(main, "__wrapped__", main)
 
 
+def error_lines(text):
+    """The lines `PROG: error: ...` of a command's output (what the plugin promises to print, once, on bad input)."""
+    return [line for line in text.splitlines() if ": error: " in line]
+
+
+def one_error_line(err, prog):
+    """The check that a command refused its input as promised: its stderr `err` is exactly one line
+    `PROG: error: ...` (prog: the command's name, or a tuple of names it may go by); -> that line."""
+    lines = err.splitlines()
+    progs = (prog,) if isinstance(prog, str) else tuple(prog)
+    assert len(lines) == 1 and lines[0].startswith(tuple(f"{p}: error: " for p in progs)), err
+    return lines[0]
+
+
 def tail(log, n=3000):
     """The end of a process's output for an assertion message; where Python died on a fatal signal
     (PYTHONFAULTHANDLER, set in tests/conftest.py), the stacks faulthandler printed instead."""

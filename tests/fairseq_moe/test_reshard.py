@@ -10,6 +10,7 @@ import torch
 from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.reshard import main as reshard_main
 
+from tests.fairseq_moe import helpers
 from tests.fairseq_moe.checkpoints.test_sets import assert_same, full_state, save_as_ranks
 
 
@@ -26,11 +27,8 @@ def temporaries(folder):
 
 def one_error_line(capsys):
     captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("python -m fairseq_moe.reshard: error: "), lines[0]
     assert captured.out == ""
-    return lines[0]
+    return helpers.one_error_line(captured.err, "python -m fairseq_moe.reshard")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ with and without the all-to-alls overlapped with expert compute (--moe-a2a-overl
 import dataclasses
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -20,11 +19,7 @@ from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
 from fairseq_moe_layer.gates import GATES
 from fairseq_moe_layer.routing import ROUTINGS
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port
 
 
 def spawn(fn, world_size, *args):

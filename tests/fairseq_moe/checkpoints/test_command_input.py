@@ -18,7 +18,7 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()  # (what tests/fairseq_moe/conftest.py does: fairseq has loaded the plugin)
 
-from tests.fairseq_moe.helpers import ML_ARGS, run_train, train_argv  # noqa: E402
+from tests.fairseq_moe.helpers import ML_ARGS, one_error_line, run_train, train_argv  # noqa: E402
 
 # Every command, found by its file: a module at the top of fairseq_moe/ with a main (the door's files have none).
 # launch, which runs other programs and is loaded from its file alone, has its own test at the end.
@@ -48,12 +48,10 @@ def call(name, argv):
 
 def assert_one_line(name, code, capsys, want_code, fragment):
     captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
     assert code == want_code, captured.err
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert lines[0].startswith(f"python -m fairseq_moe.{name}: error: "), lines[0]
-    assert fragment in lines[0], lines[0]
-    return lines[0]
+    line = one_error_line(captured.err, f"python -m fairseq_moe.{name}")  # (one line: no traceback)
+    assert fragment in line, line
+    return line
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import SaveError
 from fairseq_moe_layer.comm import local_experts
 
+from tests.conftest import free_port
+
 E = 4
 EXPERTS = {"layer.experts.w1": (E, 3, 5), "layer.experts.b1": (E, 5)}
 ORDER = ["shared.weight", *EXPERTS]
@@ -116,12 +118,6 @@ def rank_main(folder, rank, W, port, fault, victim):
         outcome = f"SaveError: {e}"
     with open(os.path.join(folder, "..", f"outcome-{rank}"), "w") as f:
         f.write(outcome)
-
-
-def free_port():
-    from fairseq_moe.launch import free_port as below_the_ephemeral_range
-
-    return below_the_ephemeral_range()
 
 
 def run_ranks(tmp_path, W, fault, victim):

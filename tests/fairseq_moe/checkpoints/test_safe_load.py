@@ -16,7 +16,6 @@ import ast
 import functools
 import importlib
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from fairseq_moe.checkpoints import safe_load as safe_eval
 from fairseq_moe.errors import CheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
+from tests.fairseq_moe import helpers
 from tests.fairseq_moe.helpers import USER_DIR, lm_train_argv, run_eval_lm, run_generate, run_train, train_argv, unwrapped
 
 FIELD = "adaptive_softmax_cutoff"  # the field of the original report
@@ -344,10 +344,8 @@ def test_training_from_it_refuses(state, data_bin, tmp_path, marker, flag):
 
 def one_error_line(capsys):
     captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"python -m fairseq_moe\.(reshard|consolidate): error: ", lines[0]), captured.err
     assert captured.out == ""
-    return lines[0]
+    return helpers.one_error_line(captured.err, ("python -m fairseq_moe.reshard", "python -m fairseq_moe.consolidate"))
 
 
 @pytest.mark.parametrize("world_size", [2, 1])  # 1: what python -m fairseq_moe.consolidate does

@@ -14,8 +14,8 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()
 
-from tests.fairseq_moe.helpers import (ML_ARGS, USER_DIR, binarise_toy_lm_corpus, eval_lm_argv, lm_train_argv,  # noqa: E402
-                                parse_train, run_eval_lm, run_train, tail, train_argv)
+from tests.fairseq_moe.helpers import (ML_ARGS, USER_DIR, binarise_toy_lm_corpus, error_lines, eval_lm_argv,  # noqa: E402
+                                lm_train_argv, parse_train, run_eval_lm, run_train, tail, train_argv)
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 BIN = os.path.dirname(sys.executable)
@@ -25,7 +25,7 @@ def one_line(capsys, call):
     """call() through the plugin's door (cli.one_line_errors): its exit code and its stderr lines with ': error: '."""
     with pytest.raises(SystemExit) as exit_:
         call()
-    return exit_.value.code, [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    return exit_.value.code, error_lines(capsys.readouterr().err)
 
 
 def door_train(argv):
@@ -100,7 +100,7 @@ def test_multilingual_bad_input_on_two_ranks_is_one_line_in_all(ml_data_bin, tmp
     argv = ml_train(ml_data_bin, tmp_path / "save", *flags) if tool == "fairseq-train" else ml_generate(ml_data_bin, *flags)
     out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", tool, *argv],
                          capture_output=True, text=True, env=ENV, timeout=600)
-    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    errors = error_lines(out.stderr)
     assert out.returncode == 2 and len(errors) == 1 and fragment in errors[0], tail(out.stderr)
     assert "Traceback" not in out.stderr
 

@@ -13,8 +13,9 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
+from tests.conftest import free_port
 from tests.fairseq_moe.helpers import USER_DIR, tail, train_argv
-from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, _free_port, launched  # noqa: F401  (a fixture)
+from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, launched  # noqa: F401  (a fixture)
 from tests.fairseq_moe.hooks.test_spread import GENERATE, generate, sentences
 
 GLOO = ("--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
@@ -42,7 +43,7 @@ def srun(tool, *argv, tasks=2):
 def srun_set(data_bin, tmp_path_factory):
     """The save folder of `srun --ntasks 2 fairseq-train` (COMMON: 4 experts, 4 updates)."""
     save = tmp_path_factory.mktemp("srun")
-    out = srun("fairseq-train", *train_argv(data_bin, save, *COMMON), *GLOO, "--distributed-port", _free_port())
+    out = srun("fairseq-train", *train_argv(data_bin, save, *COMMON), *GLOO, "--distributed-port", free_port())
     assert out.returncode == 0, tail(out.stderr)
     assert "expert parallel: 2 experts per rank on 2 ranks" in out.stdout + out.stderr, tail(out.stderr)
     return save
@@ -59,7 +60,7 @@ def test_srun_train_is_the_launchers_job(srun_set, launched):  # noqa: F811
 def test_srun_generate_is_the_launchers(srun_set, data_bin):
     path = srun_set / "checkpoint_last.pt"  # (the name of the set)
     out = srun("fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", path, *GENERATE,
-               "--distributed-port", _free_port())
+               "--distributed-port", free_port())
     assert out.returncode == 0, tail(out.stderr)
     assert "expert parallel: 2 experts per rank on 2 ranks" in out.stderr, tail(out.stderr)
     reference = generate(data_bin, path, 2)
@@ -89,7 +90,7 @@ def test_srun_tasks_of_one_procid_are_one_line_each_within_seconds(tmp_path):
     from tests.fairseq_moe.hooks.test_compat_slurm_env import ROOT, TASK_SCRIPT
 
     (tmp_path / "task.py").write_text(TASK_SCRIPT)
-    port = _free_port()
+    port = free_port()
     out = subprocess.run(["srun", "-N1", "--ntasks", "2", "--chdir", str(tmp_path), "bash", "-c",
                           f'SLURM_PROCID=0 exec "{sys.executable}" task.py {port}'], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=120)

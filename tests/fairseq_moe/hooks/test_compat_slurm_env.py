@@ -15,6 +15,8 @@ import pytest
 from fairseq_moe.hooks import compat
 from fairseq_moe.errors import FlagError
 
+from tests.conftest import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # A healthy task: the second of a 2-task step on one node, n1.
@@ -123,15 +125,9 @@ def test_a_bad_step_gives_every_task_rank_0(monkeypatch):
     assert compat.launcher_rank() == 0
 
 
-def _free_port():
-    from fairseq_moe.launch import free_port
-
-    return free_port()
-
-
 def meet(procids, tasks, seconds=2.0):
     """compat.meet_step for tasks of these SLURM_PROCIDs, each in a thread: each one's outcome (None: met)."""
-    port = _free_port()
+    port = free_port()
 
     def one(procid):
         step = compat.SlurmStep(tasks=tasks, procid=procid, nodeid=0, localid=procid % tasks, nodes=1,
@@ -199,7 +195,7 @@ PROCESSES = [
 
 
 def start_tasks(procids, argv, scontrol, tmp_path, seconds="3"):
-    port = _free_port()
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "FAIRSEQ_MOE_"))
             and k not in (*compat.TORCHRUN_ENV, "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     base.update(TASK, SLURM_STEP_NODELIST="localhost", PATH=scontrol, OMP_NUM_THREADS="1", RANK="0", PYTHONPATH=ROOT,

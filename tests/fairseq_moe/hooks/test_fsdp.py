@@ -19,7 +19,8 @@ from torch import nn
 
 from fairseq_moe import reshard
 
-from tests.fairseq_moe.helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
+from tests.fairseq_moe.helpers import (USER_DIR, assert_same_params, error_lines, run_generate, run_train, tail,
+                                       train_argv)
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, Launched, finish, launch
 from tests.fairseq_moe.hooks.test_optim import CLIP, assert_same_optimizer_state, full, resumes_and_reshards
 
@@ -97,7 +98,7 @@ def test_fully_sharded_fp16_and_refused_optimizers(data_bin, tmp_path):
     bad = launch(2, tmp_path / "ada", *train_argv(data_bin, tmp_path / "ada", *adam, "--optimizer", "adafactor",
                                                   "--lr", "0.01", *FSDP))
     out = subprocess.CompletedProcess(bad.args, None, *bad.communicate(timeout=600))
-    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    errors = error_lines(out.stderr)
     assert bad.returncode != 0 and len(errors) == 1, tail(out.stderr)
     assert "--optimizer adafactor cannot be used with --ddp-backend fully_sharded" in errors[0]
     assert not list((tmp_path / "ada").glob("*.pt"))

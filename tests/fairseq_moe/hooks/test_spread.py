@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.fairseq_moe.helpers import USER_DIR, run_train, tail, train_argv
+from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_train, tail, train_argv
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, launch, finish
 
 GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8", "--cpu")
@@ -87,7 +87,7 @@ def test_a_hash_routed_file_generates_on_two_ranks_as_on_one_process(data_bin, t
 @pytest.mark.slow
 def test_ranks_that_do_not_divide_the_experts_are_one_line(data_bin, spread_set):
     out = generate(data_bin, spread_set, 3)
-    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    errors = error_lines(out.stderr)
     assert out.returncode == 2 and len(errors) == 1 and "--moe-expert-count 4" in errors[0], tail(out.stderr)
 
 

@@ -18,7 +18,7 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import CheckpointError, MissingCheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
-from tests.fairseq_moe.helpers import USER_DIR, run_generate, run_train, tail, train_argv
+from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_generate, run_train, tail, train_argv
 
 ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
 
@@ -162,7 +162,7 @@ def test_two_ranks_print_one_error_line_and_exit_2(data_bin, trained_checkpoint,
         expected = "fairseq-train: error: "
         assert snapshot(tmp_path / "set") == {k[len("set/"):]: v for k, v in before.items()}
     log = out.stdout + out.stderr
-    errors = [line for line in log.splitlines() if ": error: " in line]
+    errors = error_lines(log)
     assert out.returncode == 2, tail(log)
     assert len(errors) == 1 and errors[0].startswith(expected), errors
     assert "Traceback" not in log
@@ -264,7 +264,7 @@ def test_a_fault_in_a_save_then_resume_continues_exactly(data_bin, tmp_path, ref
     log = out.stdout + out.stderr
     assert out.returncode != 0, tail(log)
     if fault in ("disk full", "full in torch.save"):
-        errors = [line for line in log.splitlines() if ": error: " in line]
+        errors = error_lines(log)
         assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, tail(log)
         assert f"failed on rank {victim} of {W}" in errors[0] and "File too large" in errors[0], errors
         assert "nothing was replaced" in errors[0]
@@ -310,7 +310,7 @@ def test_a_usage_error_is_printed_by_rank_0_alone(data_bin, tmp_path):
     """argparse's own errors (a value that is no int) come before the ranks know of each other: under the
     launcher, only rank 0 prints the usage and the error."""
     out = launch_2(data_bin, tmp_path, "--moe-expert-count", "abc")
-    errors = [line for line in (out.stdout + out.stderr).splitlines() if ": error: " in line]
+    errors = error_lines(out.stdout + out.stderr)
     assert out.returncode == 2
     assert errors == ["fairseq-train: error: argument --moe-expert-count: invalid int value: 'abc'"]
 
@@ -423,7 +423,7 @@ def test_a_full_disk_inside_torch_save_on_one_process_is_one_line(data_bin, tmp_
     cmd = [sys.executable, str(script), "full in torch.save", "0", USER_DIR, *train_argv(data_bin, save, *SAVES)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     log = out.stdout + out.stderr
-    errors = [line for line in log.splitlines() if ": error: " in line]
+    errors = error_lines(log)
     assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in log, tail(log)
     assert "torch.save raised RuntimeError: [enforce fail" in log, tail(log)
     assert f"checkpoint_1_4.pt.tmp: File too large" in errors[0] and "nothing was replaced" in errors[0], errors

@@ -15,6 +15,7 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
+from tests.conftest import free_port
 from tests.fairseq_moe.helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 
 # SGD, not Adam: the key-projection biases have an exactly-zero gradient (softmax ignores a shift),
@@ -205,9 +206,9 @@ def test_torchrun_equals_the_launcher(data_bin, tmp_path, launched):
     gloo = ("--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
     bin_dir = os.path.dirname(sys.executable)
     torchrun, train = os.path.join(bin_dir, "torchrun"), os.path.join(bin_dir, "fairseq-train")
-    one_node = [[torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), train,
+    one_node = [[torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), train,
                  *train_argv(data_bin, tmp_path / "one_node", *COMMON), *gloo]]
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     two_nodes = [[torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend",
                   "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "moe", train,
                   *train_argv(data_bin, tmp_path / "two_nodes", *COMMON), *gloo] for node in (0, 1)]
@@ -222,9 +223,3 @@ def test_torchrun_equals_the_launcher(data_bin, tmp_path, launched):
         b = shards.assemble(str(tmp_path / name / "checkpoint_last"))
         torch.testing.assert_close(b["model"], a["model"], rtol=0, atol=0)
         assert b["optimizer_history"][-1]["num_updates"] == 4
-
-
-def _free_port():
-    from fairseq_moe.launch import free_port
-
-    return free_port()
