@@ -15,7 +15,7 @@ import torch
 from fairseq_moe import average, consolidate, reshard
 from fairseq_moe.checkpoints import sets as shards
 
-from tests.fairseq_moe.helpers import USER_DIR, run_generate, run_train, train_argv
+from tests.fairseq_moe.helpers import USER_DIR, one_error_line, run_generate, run_train, train_argv
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +195,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(run, tmp_path, capsys, bui
     before, run_before = sorted(os.listdir(tmp_path)), sorted(os.listdir(save))
     capsys.readouterr()
     assert average.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("python -m fairseq_moe.average: error: "), err
-    assert fragment.format(d=tmp_path, run=save, n=len(files), f0=files[0]) in err[0], err[0]
+    line = one_error_line(capsys.readouterr().err, "python -m fairseq_moe.average")
+    assert fragment.format(d=tmp_path, run=save, n=len(files), f0=files[0]) in line, line
     assert sorted(os.listdir(tmp_path)) == before
     assert sorted(os.listdir(save)) == run_before
