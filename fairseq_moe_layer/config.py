@@ -178,9 +178,3 @@ MoEConfig.__doc__ = """Settings of one MoE layer: LayerSettings' and every routi
 field's metadata for its flag)."""
 # The fairseq flag that sets each field, so that an error names what the user typed.
 FLAGS = {f.name: flag_of(f) for f in settings(MoEConfig)}
-
-
-if __name__ == "__main__":  # the table of the layer's flags (docs/flags.md)
-    from .options import flag_table
-
-    print(flag_table(MoEConfig), end="")

@@ -1,7 +1,7 @@
 """Settings as data: each setting of the layer (config.MoEConfig) and of a routing policy (routing.Policy.options)
 is one dataclass field made by setting(), whose metadata holds its fairseq flag, its help, its choices and its
 range. From that one place come the fairseq flag (the glue's add_moe_args), the generic checks (check_setting,
-run by MoEConfig.validate) and the README's table of the layer's flags (`python -m fairseq_moe_layer.config`;
+run by MoEConfig.validate) and the table of the layer's flags in docs/flags.md (`python -m fairseq_moe_layer`;
 tests/fairseq_moe_layer/test_config.py compares). The MoE criterion's and task's settings are fairseq dataclasses made with
 the same setting() (fairseq reads their "help"; check_setting their range).
 """
@@ -102,7 +102,7 @@ def full_help(f):
 
 
 def describe(f):
-    """The default of a setting as the README and --help say it."""
+    """The default of a setting as docs/flags.md and --help say it."""
     value = f.default
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -110,7 +110,7 @@ def describe(f):
 
 
 def flag_table(cls):
-    """The README's Markdown table of the flags of cls's settings (those the user sets as they are)."""
+    """The Markdown table (docs/flags.md) of the flags of cls's settings (those the user sets as they are)."""
     rows = ["| flag | default | what it does |", "|---|---|---|"]
     for f in settings(cls):
         m = f.metadata

@@ -53,7 +53,7 @@ class Policy:
     """A routing policy. Subclasses set the properties below, declare their options and implement route()."""
 
     name = None  # its --moe-routing value (set by register_routing)
-    help = ""  # what it does, for --moe-routing's help and the README
+    help = ""  # what it does, for --moe-routing's help and docs/flags.md
     options = {}  # MoEConfig field name -> options.setting(...): the settings only this policy reads
     mixes_tokens = False  # a token's routing depends on the other tokens of the batch: no causal decoder, and
     # padding is always kept out (it would change the real tokens' outputs)

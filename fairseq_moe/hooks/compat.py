@@ -1,5 +1,5 @@
 """Fixes for the fairseq 0.12 releases this plugin supports, installed by patches.py when fairseq loads
-the plugin (dense models run with the plugin get them too: see the README): the dropped last batch,
+the plugin (dense models run with the plugin get them too: see docs/architecture.md): the dropped last batch,
 multi-rank resume under torch >= 2.6, NumPy 2, torchrun and srun on CPU, ranks that exit together.
 """
 

@@ -84,7 +84,7 @@ def test_the_docs_flag_table_is_the_one_the_settings_make():
     doc = (Path(__file__).parents[2] / "docs" / "flags.md").read_text()
     start = doc.index("\n", doc.index("<!-- layer flags: made by")) + 1
     assert doc[start:doc.index("<!-- end of the layer flags -->")] == flag_table(MoEConfig), \
-        "regenerate the table of docs/flags.md: paste the output of python -m fairseq_moe_layer.config " \
+        "regenerate the table of docs/flags.md: paste the output of python -m fairseq_moe_layer " \
         "between its <!-- layer flags --> and <!-- end of the layer flags --> lines"
 
 
