@@ -31,7 +31,7 @@ import sys
 import torch
 
 from .checkpoints import sets as shards
-from .checkpoints import safe_load as safe_eval
+from .checkpoints import safe_load
 from .errors import CheckpointError
 from fairseq_moe_layer.routing import TopK
 from .checkpoints.new_files import write_new
@@ -90,7 +90,7 @@ def _read(path, what):
     if "shard_metadata" in state:
         raise CheckpointError(f"{path} holds FSDP-sharded parameters (shard_metadata, --use-sharded-state): "
                               f"consolidate the shards with fairseq's consolidate_fsdp_shards first")
-    safe_eval.check_config(state, path)
+    safe_load.check_config(state, path)
     return state
 
 

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from .checkpoints import sets as shards
-from .checkpoints import safe_load as safe_eval
+from .checkpoints import safe_load
 from .checkpoints.command import PROG, parser, read_any, run, safe_globals
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.comm import expert_parallel_size
@@ -54,7 +54,7 @@ def reshard(src, out, world_size, ema=False):
         state.update(model=dict(extra["ema"]), extra_state=dict(shards.without_ema(extra), **{
             shards.MADE_BY: {"what": "the EMA weights written by reshard --ema"}}))  # (not resumed as a run)
     experts = _check_state(state, src)
-    safe_eval.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
+    safe_load.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
     for E in set(experts.values()):
         try:
             expert_parallel_size(E, world_size)

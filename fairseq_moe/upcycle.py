@@ -28,7 +28,7 @@ import sys
 import torch
 
 from .checkpoints import sets as shards
-from .checkpoints import safe_load as safe_eval
+from .checkpoints import safe_load
 from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.config import ACTIVATIONS
 from .checkpoints.new_files import write_new
@@ -58,7 +58,7 @@ def read_dense(path):
     state = shards.read_file(path, what="the dense checkpoint to upcycle")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{path} is not a fairseq checkpoint (no model state)")
-    safe_eval.check_config(state, path)
+    safe_load.check_config(state, path)
     if state.get("cfg") is None:
         raise CheckpointError(f"{path} was saved by fairseq < 0.10 (args, no cfg): load and save it once with "
                               f"fairseq 0.12 (fairseq-train --restore-file ... --max-update of its own) first")
