@@ -54,7 +54,12 @@ def journal(**fields):
 
 
 def plain(text):
-    return lambda path: open(path, "w").write(text)
+    return lambda path: write(path, text.encode())
+
+
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def fifo(path):
@@ -108,7 +113,7 @@ CRAFTED = [
     ("a link to a real journal", link_to("elsewhere.json"), "a symbolic link"),
     ("deeply nested JSON", plain("[" * 200000), "not JSON (RecursionError)"),
     ("2 MB of JSON", plain(json.dumps({"pad": "x" * (2 << 20)})), "more than a journal's"),
-    ("not UTF-8", lambda path: open(path, "wb").write(b"\xff\xfe{}"), "not JSON"),
+    ("not UTF-8", lambda path: write(path, b"\xff\xfe{}"), "not JSON"),
     ("a list", plain("[]"), "not a journal"),
     ("names that are no strings", plain(journal(commit=[1])), "not a journal"),
     # with the id of the save on disk (read off its files): the world size must still be the files'
