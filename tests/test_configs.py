@@ -48,7 +48,8 @@ GPU = [("translation/moe_transformer_wmt_en_de", "data_bin", 512, 2048, 6 + 6),
 
 
 @pytest.mark.parametrize("config, data, d, f, layers", GPU, ids=[c.split("/")[1] for c, *_ in GPU])
-@pytest.mark.filterwarnings(r"ignore:\s*version_base=.1\.1. selects Hydra 1\.1:hydra.errors.Hydra14MigrationWarning")  # (chosen)
+# (version_base 1.1 is chosen: see below)
+@pytest.mark.filterwarnings(r"ignore:\s*version_base=.1\.1. selects Hydra 1\.1:hydra.errors.Hydra14MigrationWarning")
 def test_gpu_configs_load_and_build(request, config, data, d, f, layers):
     """Each GPU-sized config composes as fairseq-hydra-train composes it, and its model builds (on the meta
     device: shapes only) with every 2nd layer an MoE of 16 experts of the config's FFN size, fp16, 8 GPUs."""
