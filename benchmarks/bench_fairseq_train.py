@@ -106,7 +106,7 @@ def final_loss(log):
     return float(found[-1]) if found else None
 
 
-SET_LINE = "--moe-keep-freed-memory: glibc's malloc keeps freed memory"  # (fairseq_moe/checkpoint.py logs it)
+SET_LINE = "--moe-keep-freed-memory: glibc's malloc keeps freed memory"  # (fairseq_moe/hooks/trainer.py logs it)
 RUNS = (("dense", False, False), ("dense", False, True), ("moe", True, False), ("moe", True, True))
 
 

@@ -1,4 +1,4 @@
-"""fairseq-generate with the experts spread over W ranks (fairseq_moe/spread.py) against W = 1, on this machine.
+"""fairseq-generate with the experts spread over W ranks (fairseq_moe/hooks/spread.py) against W = 1, on this machine.
 
     .venv/bin/python benchmarks/bench_generate.py                 # W = 1, 2, 4; a few minutes on 2 cores
     .venv/bin/python benchmarks/bench_generate.py --world 1 2 --sentences 100

@@ -19,7 +19,7 @@ from fairseq_moe_kernels.cases import CASES, SKEWS, make_inputs  # noqa: F401  (
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative Frobenius error
 # name -> (call(ops, inputs, activation), names of its differentiable inputs): the shared cases of
-# fairseq_moe_kernels/cases.py (fairseq_moe_kernels/cases.py), under the names the benchmark reports ("gmlp").
+# fairseq_moe_kernels/cases.py, under the names the benchmark reports ("gmlp").
 OPS = {("gmlp" if op == "grouped_mlp" else op): case for op, case in CASES.items()}
 
 

@@ -371,7 +371,7 @@ def main(argv=None):
     p.add_argument("--subset", default="test", help="with --by-lang-pair: the split of --data (default: test)")
     a = p.parse_args(argv)
 
-    def work():  # -> the files written
+    def check():  # the flags together, before fairseq is imported (a few seconds)
         if a.by_lang_pair == bool(a.input):
             raise FlagError("give --input FILE (sentences to show), or --by-lang-pair (expert use per language pair)")
         given = [f for f, v in (("--target", a.target), ("--layer", a.layer), ("--spm", a.spm)) if v is not None] + (
@@ -380,13 +380,16 @@ def main(argv=None):
             raise FlagError(f"{given[0]} goes with --input, not with --by-lang-pair")
         if not a.by_lang_pair and (a.lang_pairs or a.subset != "test"):
             raise FlagError("--lang-pairs and --subset go with --by-lang-pair")
+        with_fairseq()
+
+    def work():  # -> the files written
         if a.by_lang_pair:
             by_pair(a.checkpoint, a.data, a.out, a.lang_pairs, a.subset)
             return [Path(a.out) / "expert_use_by_pair.txt", Path(a.out) / "expert_use_by_pair.png"]
         inspect(a.checkpoint, a.data, a.input, a.out, a.target, a.layer, a.spm, a.show)
         return sorted(Path(a.out).iterdir())
 
-    return run(p.prog, work, lambda paths: "\n".join(map(str, paths)), setup=with_fairseq)
+    return run(p.prog, work, lambda paths: "\n".join(map(str, paths)), setup=check)
 
 
 if __name__ == "__main__":

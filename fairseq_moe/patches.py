@@ -6,7 +6,7 @@ wraps=True a function of the original that returns the replacement, else the rep
 asks original() for the original if it needs it), why, since which fairseq release, and whether it is
 permanent (apply(), when fairseq loads the plugin) or scoped (scoped(), for one call). Nothing else
 assigns to a fairseq attribute (tests/fairseq_moe/test_patches.py); config values set for one call are not
-patches (checkpoint.overridden).
+patches (hooks/trainer.overridden).
 """
 import contextlib
 import importlib

@@ -6,7 +6,7 @@
 IN is a set written by fairseq-train (NAME.pt, NAME-shared.pt or any NAME-rank-R.pt of it) or a single
 file written by this command. OUT: NAME.pt; W' > 1 writes NAME-shared.pt and NAME-rank-0..W'-1.pt,
 W' = 1 writes NAME.pt with every expert (what `python -m fairseq_moe.consolidate` does). Every input file
-is checked (expert_checkpoint.read_set); existing files are never overwritten, and a command that fails
+is checked (checkpoints/sets.read_set); existing files are never overwritten, and a command that fails
 leaves no output behind.
 """
 import sys

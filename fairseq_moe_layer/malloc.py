@@ -13,7 +13,7 @@ kernel, as jemalloc and tcmalloc keep freed memory: freed pages are reused witho
 in pages the first time the heap grows, and may still unmap whole heaps of other threads' arenas). The cost:
 the process's resident memory does not shrink after a peak, and fragmentation can keep it above the peak in use.
 Process-wide, for every later allocation of every thread; blocks allocated before it keep their own way. So
-fairseq-train sets it when its Trainer is built (fairseq_moe/checkpoint.py), not where a model is built.
+fairseq-train sets it when its Trainer is built (fairseq_moe/hooks/trainer.py), not where a model is built.
 """
 import ctypes
 import functools

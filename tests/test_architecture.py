@@ -41,6 +41,19 @@ def modules(root):
     return out
 
 
+FAIRSEQ = {"fairseq", "fairseq_cli", "omegaconf", "hydra"}  # fairseq and the configuration stack it brings
+
+
+def dynamic(call):
+    """Whether a call imports a module named by a literal: importlib.import_module("x") or __import__("x"). (The
+    names in patches.py's table are resolved by patches.resolve when the door applies it, and are not imports: the
+    table lists what is patched, on every floor, which is why it sits with the hooks and is imported by the door.)"""
+    f = call.func
+    named = (isinstance(f, ast.Attribute) and f.attr == "import_module") or (isinstance(f, ast.Name) and f.id in (
+        "__import__", "import_module"))
+    return named and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
+
+
 def imports(name, path, known):
     """The modules of ours that the module imports (a name imported from a package is its submodule where there is
     one, else the package), and whether it imports fairseq."""
@@ -49,6 +62,8 @@ def imports(name, path, known):
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and dynamic(node):  # importlib.import_module("x"), __import__("x")
+            targets = [node.args[0].value]
         elif isinstance(node, ast.ImportFrom):
             base = (package[:len(package) - node.level + 1] if node.level else []) + (node.module or "").split(".")
             base = ".".join(p for p in base if p)
@@ -56,7 +71,7 @@ def imports(name, path, known):
         else:
             continue
         for t in targets:
-            fairseq |= t.split(".")[0] in ("fairseq", "fairseq_cli")
+            fairseq |= t.split(".")[0] in FAIRSEQ
             while t and t not in known:  # import a.b.c of a module a.b.c, or of a name in a.b
                 t = t.rpartition(".")[0]
             if t and t != name:
@@ -171,6 +186,14 @@ def test_the_checker_sees_an_upward_import_a_circle_and_a_borrowing_command(scra
     assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" not in found
     (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("import fairseq.utils\n")
     assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" in problems(scratch)
+    (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text(
+        "import importlib\ndef f():\n    return importlib.import_module('fairseq_moe.hooks.trainer')\n")
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq_moe.hooks.trainer (hooks), a floor above" in (
+        problems(scratch))
+    (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("from omegaconf import OmegaConf\n")
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" in problems(scratch)
+    (scratch / "fairseq_moe" / "checkpoints" / "upward.py").write_text("def f():\n    __import__('fairseq')\n")
+    assert "fairseq_moe.checkpoints.upward (checkpoints) imports fairseq" in problems(scratch)
 
 
 # Test files that are about the repository as a whole rather than one module: this file (docs/architecture.md),
@@ -196,3 +219,48 @@ def test_tests_mirror_the_packages():
             if not names & ({"init"} if "__init__" in there else set()) | (names & there - {"__init__"}):
                 wrong.append(os.path.join(rel, f))
     assert wrong == [], f"name each test file after the module it tests (test_MODULE[_ASPECT].py): {wrong}"
+
+
+# Modules whose behaviour is tested in the file of another (the module that drives them), not in one of their own.
+TESTED_IN = {
+    "fairseq_moe/consolidate.py": "tests/fairseq_moe/test_reshard.py (consolidate is reshard to one file)",
+    "fairseq_moe/checkpoints/state.py": "the commands' tests (test_upcycle, test_prune, test_convert_moe_branch)",
+    "fairseq_moe/checkpoints/new_files.py": "tests/fairseq_moe/checkpoints/test_command_input.py (nothing written)",
+    "fairseq_moe/models/moe_ffn.py": "tests/fairseq_moe/models/test_moe_transformer*.py (the layers it builds)",
+    "fairseq_moe/tasks/moe_language_modeling.py": "tests/fairseq_moe/models/test_moe_transformer_lm.py",
+    "fairseq_moe/tasks/moe_translation.py": "tests/fairseq_moe/models/test_moe_transformer.py",
+    "fairseq_moe/criterions/moe_cross_entropy.py": "tests/fairseq_moe/criterions/test_moe_loss.py",
+    "fairseq_moe/errors.py": "every test of a refusal (the error types only)",
+    "fairseq_moe_layer/experts.py": "tests/fairseq_moe_layer/test_layer.py (the experts against the loop oracle)",
+    "fairseq_moe_layer/options.py": "tests/fairseq_moe_layer/test_config.py (the settings and their flags)",
+    "fairseq_moe_layer/pipeline.py": "tests/fairseq_moe_layer/test_comm.py (overlap against one exchange)",
+    "fairseq_moe_layer/__main__.py": "tests/fairseq_moe_layer/test_config.py (the flag table it prints)",
+    "fairseq_moe_layer/__init__.py": "the layer's tests (its exports)",
+    "fairseq_moe_kernels/__init__.py": "the kernels' tests (its exports)",
+}
+
+
+def test_every_module_has_its_test_file():
+    """The other way round: every module has tests/.../test_MODULE[_ASPECT].py, or is named in TESTED_IN with the
+    file that tests it (which must exist)."""
+    tests = set()
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        tests |= {os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.startswith("test_")}
+    missing = []
+    for name, path in sorted(modules(ROOT).items()):
+        rel = os.path.relpath(path, ROOT)
+        body = ast.parse(open(path, encoding="utf-8").read()).body
+        if rel.endswith("__init__.py") and all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                                               for n in body):
+            continue  # (a folder's docstring)
+        folder, module = os.path.split(rel)
+        module = "init" if module == "__init__.py" else module[:-3]
+        mine = os.path.join("tests", folder)
+        if not any(t.startswith(os.path.join(mine, f"test_{module}")) and t[len(mine) + 6 + len(module):][:1] in (
+                ".", "_") for t in tests) and rel not in TESTED_IN:
+            missing.append(rel)
+    assert missing == [], f"give each a test file named after it, or say in TESTED_IN which file tests it: {missing}"
+    for rel, where in TESTED_IN.items():
+        assert os.path.exists(os.path.join(ROOT, rel)), f"TESTED_IN names {rel}, which is gone"
+        first = where.split(" ")[0]
+        assert not first.startswith("tests/") or any(t.startswith(first.rstrip("*.py").rstrip("*")) for t in tests), where

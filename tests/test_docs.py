@@ -43,3 +43,18 @@ def test_every_link_names_a_file_and_a_heading_that_exist(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert bad == [], f"{page.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_the_front_page_fits_and_names_every_command():
+    """README.md is a front page (at most 220 lines); every command (a module at the top of fairseq_moe/ with a
+    main: docs/architecture.md's recipe) has its row in the README's table and its section in docs/tools.md."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 220, "README.md is a front page: move the detail to a page of docs/"
+    door = {"__init__", "errors", "patches", "refusals"}
+    commands = sorted(p.stem for p in (ROOT / "fairseq_moe").glob("*.py")
+                      if p.stem not in door and "def main(" in p.read_text())
+    assert "average" in commands and "reshard" in commands, commands
+    tools = [line for line in (ROOT / "docs" / "tools.md").read_text().splitlines() if line.startswith("## ")]
+    for name in commands:
+        assert f"| `python -m fairseq_moe.{name}` |" in readme, f"{name}: no row in the README's table of commands"
+        assert any(re.search(rf"\b{name}\b", h) for h in tools), f"{name}: no section of docs/tools.md"

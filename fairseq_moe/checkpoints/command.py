@@ -83,7 +83,7 @@ def safe_globals():
 
 
 def locate(path):
-    """("set", NAME) or ("file", path) of a checkpoint given to a command (expert_checkpoint.locate), or a
+    """("set", NAME) or ("file", path) of a checkpoint given to a command (sets.locate), or a
     MissingCheckpointError naming it."""
     from . import sets as shards  # (here: plot imports no torch)
 
@@ -109,7 +109,7 @@ def read_any(path):
 
     kind, found = locate(path)
     if kind == "set":
-        return shards.assemble(found)  # structure errors are named (expert_checkpoint.laid_out)
+        return shards.assemble(found)  # structure errors are named (sets.laid_out)
     state = shards.read_file(found, what="the checkpoint")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         what = "no model state" if isinstance(state, dict) else f"it holds a {type(state).__name__}, not a dict"

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from fairseq_moe_layer import malloc

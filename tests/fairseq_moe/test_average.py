@@ -85,6 +85,9 @@ def test_the_newest_sets_averaged_equal_the_average_by_hand(run, tmp_path, capsy
     assert not torch.equal(got["model"]["encoder.layers.1.fc1.moe.experts.w1"],
                            torch.load(singles[0], weights_only=True)["model"]["encoder.layers.1.fc1.moe.experts.w1"])
     assert sorted(os.listdir(tmp_path / "out")) == ["average.pt"]
+    # and against the files fairseq-train wrote, whose sets these are (no reshard, no consolidate on this side)
+    want, _ = by_hand(files[::-1][:3])
+    assert got["model"].keys() == want.keys() and all(torch.equal(got["model"][k], t) for k, t in want.items())
 
     # one file with every expert: fairseq-generate reads it; reshard spreads it over 2 ranks
     scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", out, "--task", "moe_translation",
@@ -199,3 +202,20 @@ def test_bad_input_is_one_line_and_nothing_is_written(run, tmp_path, capsys, bui
     assert fragment.format(d=tmp_path, run=save, n=len(files), f0=files[0]) in line, line
     assert sorted(os.listdir(tmp_path)) == before
     assert sorted(os.listdir(save)) == run_before
+
+
+def test_bf16_weights_are_summed_in_fp32_and_stay_bf16(run, tmp_path):
+    """A model saved in bf16: the average is summed in fp32 and cast back (fairseq's script would sum in bf16)."""
+    save, files = run
+    halves = []
+    for path in files[-2:]:
+        state = torch.load(path, weights_only=True)
+        state["model"] = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in state["model"].items()}
+        halves.append(str(tmp_path / f"bf16-{os.path.basename(path)}"))
+        torch.save(state, halves[-1])
+    out = str(tmp_path / "average.pt")
+    assert average.main(["--inputs", *halves[::-1], "--output", out]) == 0
+    got = torch.load(out, weights_only=True)["model"]
+    want, _ = by_hand(halves[::-1])
+    assert all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in want.items())
+    assert got["encoder.layers.1.fc1.moe.experts.w1"].dtype == torch.bfloat16

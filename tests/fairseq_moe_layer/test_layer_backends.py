@@ -1,6 +1,6 @@
 """The whole MoELayer with the Triton kernels (in the interpreter on CPU, fp32) and with torch's grouped GEMM
 (backend grouped_mm) equals the layer with the torch kernels: output, auxiliary losses, and the gradients of the
-input, the gate and the experts. Each kernel is checked against its reference in tests/kernels; this checks how
+input, the gate and the experts. Each kernel is checked against its reference in tests/fairseq_moe_kernels; this checks how
 the layer uses them."""
 import pytest
 import torch
