@@ -69,7 +69,7 @@ def expert_choice_oracle(probs, capacity):
     T, E = probs.shape
     out = {}
     for e in range(E):
-        ranked = sorted(range(T), key=lambda t: -float(probs[t, e]))[:min(capacity, T)]
+        ranked = sorted(range(T), key=lambda t: -float(probs[t, e].detach()))[:min(capacity, T)]
         out[e] = [(t, probs[t, e]) for t in sorted(ranked)]
     return out
 

@@ -91,7 +91,7 @@ def test_layer_matches_plain_loop(routing, k, cf, training):
     capacity = math.ceil(cf * k * T / E) if routing == "expert_choice" else None  # eval fraction 0: as training
     want = policy_oracle(x2, *copies, routing, capacity, activation="gelu")
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
-    assert float(aux.balance_loss) == 0.0 and aux.imbalance == 1.0
+    assert float(aux.balance_loss.detach()) == 0.0 and aux.imbalance == 1.0
     weight = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y)
     (y * weight).sum().backward()
     (want * weight).sum().backward()
@@ -132,7 +132,7 @@ def test_gate_noise_is_training_only_and_seeded(noise):
     b, _ = noisy_logits(layer.gate, x, noise, 0.3, True)
     assert torch.equal(a, b) and not torch.equal(a, layer.gate(x))  # seeded, and noisy
     if noise == "gaussian":
-        assert 0.2 < float((a - layer.gate(x)).std()) < 0.4 and torch.equal(clean, layer.gate(x))
+        assert 0.2 < float((a - layer.gate(x)).std().detach()) < 0.4 and torch.equal(clean, layer.gate(x))
     else:  # the gate sees x scaled element-wise by a factor in [0.7, 1.3]
         torch.manual_seed(1)
         factor = torch.empty_like(x).uniform_(0.7, 1.3)
@@ -212,7 +212,7 @@ def test_hash_routing_maps_token_ids_to_experts():
         for t in range(4):
             want = expert_mlp(x[b, t], int(ids[b, t]) % 3, ex.w1, ex.b1, ex.w2, ex.b2)
             torch.testing.assert_close(y[b, t], want)
-    assert aux.counts.tolist() == [2, 4, 2] and float(aux.balance_loss) == 0.0 and float(aux.z_loss) == 0.0
+    assert aux.counts.tolist() == [2, 4, 2] and float(aux.balance_loss.detach()) == 0.0 and float(aux.z_loss.detach()) == 0.0
     capped = MoELayer(dataclasses.replace(cfg, capacity_factor=1.0)).double()  # C = ceil(8 / 3) = 3
     capped.load_state_dict(layer.state_dict())
     y2, aux2 = capped(x, token_ids=ids)
@@ -283,7 +283,7 @@ def test_every_policy_takes_zero_tokens(name, shape):
     y, aux = layer(x, padding_mask=torch.zeros(shape[:-1], dtype=torch.bool), **kwargs)
     assert y.shape == shape and aux.num_tokens == 0
     (y.sum() + aux.balance_loss + aux.z_loss).backward()
-    assert float(aux.balance_loss) == float(aux.z_loss) == 0.0
+    assert float(aux.balance_loss.detach()) == float(aux.z_loss.detach()) == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fairseq_moe.conftest import data_bin, lm_data_bin  # noqa: F401 (the toy corpora, as fixtures)
 from tests.fairseq_moe.helpers import USER_DIR
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 
 
 TINY = [("translation/moe_transformer_tiny", "data_bin", ["task.source_lang=src", "task.target_lang=tgt"]),
