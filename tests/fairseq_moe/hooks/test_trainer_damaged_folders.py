@@ -21,6 +21,9 @@ from fairseq_moe.reshard import main as reshard_main
 from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_generate, run_train, tail, train_argv
 
 ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
+# The runs whose saves are faulted (here and in test_trainer_save_faults.py): a set every 2 updates, the last kept.
+SAVES = (*ARGS, "--max-tokens", "100", "--save-interval-updates", "2", "--keep-interval-updates", "1",
+         "--max-update", "6")
 
 
 def snapshot(folder):

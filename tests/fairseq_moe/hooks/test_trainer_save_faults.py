@@ -9,10 +9,7 @@ import pytest
 from fairseq_moe.checkpoints import sets as shards
 
 from tests.fairseq_moe.helpers import error_lines, tail
-from tests.fairseq_moe.hooks.test_trainer_damaged_folders import ARGS, launch_w, snapshot
-
-SAVES = (*ARGS, "--max-tokens", "100", "--save-interval-updates", "2", "--keep-interval-updates", "1",
-         "--max-update", "6")
+from tests.fairseq_moe.hooks.test_trainer_damaged_folders import SAVES, launch_w, snapshot
 
 
 @pytest.fixture(scope="module")
