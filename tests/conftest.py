@@ -21,6 +21,29 @@ def free_port():
     return below_the_ephemeral_range()
 
 
+# The files that take longest (minutes each on 2 cores, measured by --durations), longest first: pytest-xdist hands
+# the files to its workers in collection order (scripts/test.sh passes --no-loadscope-reorder: by default it puts the
+# files of many tests first, which left these few-test files for the end, one worker running alone for ten minutes).
+# A file missing here runs after them, in collection order; a stale entry only costs balance.
+LONGEST_FIRST = (
+    "tests/fairseq_moe/hooks/test_trainer_save_faults.py",
+    "tests/fairseq_moe/hooks/test_optim.py",
+    "tests/fairseq_moe/hooks/test_spread.py",
+    "tests/fairseq_moe/hooks/test_trainer_damaged_folders.py",
+    "tests/fairseq_moe/hooks/test_fsdp.py",
+    "tests/fairseq_moe/hooks/test_cli.py",
+    "tests/fairseq_moe_kernels/test_triton_grouped_mlp.py",
+    "tests/fairseq_moe/hooks/test_trainer_expert_parallel.py",
+    "tests/fairseq_moe/models/test_moe_transformer_lm.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    # (a stable sort: the other files keep their order)
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     n = torch.get_num_threads()
