@@ -21,10 +21,11 @@ def free_port():
     return below_the_ephemeral_range()
 
 
-# The files that take longest (minutes each on 2 cores, measured by --durations), longest first: pytest-xdist hands
-# the files to its workers in collection order (scripts/test.sh passes --no-loadscope-reorder: by default it puts the
-# files of many tests first, which left these few-test files for the end, one worker running alone for ten minutes).
-# A file missing here runs after them, in collection order; a stale entry only costs balance.
+# The files that take longest (minutes each on 2 cores: the per-file profile of 2026-12-02), longest first:
+# pytest-xdist hands the files to its workers in collection order (scripts/test.sh passes --no-loadscope-reorder: by
+# default it puts the files of many tests first, which left these few-test files for the end, one worker running alone
+# for ten minutes). A file not listed runs after them, in collection order; a listed file that no longer exists (moved,
+# renamed) stops the run, so that the list cannot go stale unseen.
 LONGEST_FIRST = (
     "tests/fairseq_moe/hooks/test_trainer_save_faults.py",
     "tests/fairseq_moe/hooks/test_optim.py",
@@ -39,6 +40,9 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
+    gone = [path for path in LONGEST_FIRST if not (config.rootpath / path).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {', '.join(gone)}")
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     # (a stable sort: the other files keep their order)
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))
