@@ -12,6 +12,7 @@ still in use after forward minus before it: the saved tensors plus the outputs).
     .venv/bin/python benchmarks/bench_layer.py                      # full grid
     .venv/bin/python benchmarks/bench_layer.py --E 8 --T 1024 --reps 3
     .venv/bin/python benchmarks/bench_layer.py --E 128 --T 16384 --profile   # + stage breakdown
+    .venv/bin/python benchmarks/bench_layer.py --E 8 --T 4096 --f 1024 --dropless --autocast bf16   # both under autocast
 
 The routing policies' overhead is measured by bench_routing.py (beside this script, on its timing).
 
@@ -39,6 +40,8 @@ import fairseq_moe_layer.layer as layer_module  # noqa: E402
 
 # Targets at the largest T of the grid (16384 by default): time ratio per E, and memory ratio.
 TIME_TARGETS = {8: 1.15, 32: 1.3, 128: 1.6}
+AUTOCAST_TIME_TARGET = 1.3  # --autocast, every E (issue 32: E=8, T=4096, f=1024, top-2 dropless)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MEMORY_TARGET = 1.5
 BALANCE_COEF, Z_COEF = 0.01, 0.001  # loss weights of the aux losses in the MoE backward
 MB = 2**20
@@ -79,9 +82,14 @@ def parse_args(argv=None):
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--profile", action="store_true",
                    help="also profile one MoE step per config and print where its time goes")
+    p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
+                   help="run both models' forwards under torch.autocast('cpu', DTYPE), fp32 weights (the backward "
+                        "outside it, as a training step does); default: fp32, no autocast")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.profile and args.autocast:
+        p.error("--profile profiles the fp32 step: not with --autocast")
     return args
 
 
@@ -105,7 +113,18 @@ def moe_backward(out, grad_y):
     y, aux = out
     losses = [(loss, torch.tensor(coef)) for loss, coef in ((aux.balance_loss, BALANCE_COEF), (aux.z_loss, Z_COEF))
               if loss.requires_grad]  # (hash routing has no router: nothing to backpropagate into)
-    torch.autograd.backward([y, *(l for l, _ in losses)], [grad_y, *(c for _, c in losses)])
+    torch.autograd.backward([y, *(l for l, _ in losses)], [grad_y.to(y.dtype), *(c for _, c in losses)])
+
+
+def under_autocast(forward, dtype):
+    """forward(model, x) run under torch.autocast("cpu", dtype); dtype None: forward itself."""
+    if dtype is None:
+        return forward
+
+    def autocast_forward(model, x):
+        with torch.autocast("cpu", dtype):
+            return forward(model, x)
+    return autocast_forward
 
 
 def tutel_moe():
@@ -134,7 +153,7 @@ def tutel_forward(layer, x):
 
 def tutel_backward(y, grad_y):
     """As moe_backward, with Tutel's one aux loss (GShard's balance loss) at our weight."""
-    torch.autograd.backward([y, y.l_aux], [grad_y, torch.tensor(BALANCE_COEF)])
+    torch.autograd.backward([y, y.l_aux], [grad_y.to(y.dtype), torch.tensor(BALANCE_COEF)])
 
 
 def dense_forward(dense, x):
@@ -142,7 +161,7 @@ def dense_forward(dense, x):
 
 
 def dense_backward(y, grad_y):
-    y.backward(grad_y)
+    y.backward(grad_y.to(y.dtype))
 
 
 _CLOCK = time.perf_counter
@@ -406,16 +425,18 @@ def run_config(args, E, T):
         _, aux = layer(x)
     dropped = aux.dropped_fraction
 
-    steps = [(moe_forward, moe_backward, layer, x, grad_y), (dense_forward, dense_backward, dense, x, grad_y)]
+    dtype = AUTOCAST.get(args.autocast)
+    moe_fwd, dense_fwd = under_autocast(moe_forward, dtype), under_autocast(dense_forward, dtype)
+    steps = [(moe_fwd, moe_backward, layer, x, grad_y), (dense_fwd, dense_backward, dense, x, grad_y)]
     if args.tutel:
-        steps.append((tutel_forward, tutel_backward, tutel_layer(args, E).train(), x, grad_y))
+        steps.append((under_autocast(tutel_forward, dtype), tutel_backward, tutel_layer(args, E).train(), x, grad_y))
     moe_ms, dense_ms, *tutel_ms = interleaved(args, *steps)
 
-    moe_saved, moe_malloc = saved_activation_bytes(moe_forward, layer, x)
-    dense_saved, dense_malloc = saved_activation_bytes(dense_forward, dense, x)
+    moe_saved, moe_malloc = saved_activation_bytes(moe_fwd, layer, x)
+    dense_saved, dense_malloc = saved_activation_bytes(dense_fwd, dense, x)
 
     result = {
-        "E": E, "T": T, "d": d, "f": f, "k": k, "capacity_factor": cf,
+        "E": E, "T": T, "d": d, "f": f, "k": k, "capacity_factor": cf, "autocast": args.autocast,
         "dropped_fraction": dropped,
         "moe_ms": statistics.median(moe_ms), "dense_ms": statistics.median(dense_ms),
         "moe_ms_all": moe_ms, "dense_ms_all": dense_ms,
@@ -466,7 +487,7 @@ def checks(args, results):
         r = by.get((E, t_max))
         if r is None:
             continue
-        target = TIME_TARGETS.get(E)
+        target = AUTOCAST_TIME_TARGET if args.autocast else TIME_TARGETS.get(E)
         if target is not None:
             ok = r["time_ratio"] <= target
             lines.append(f"{'PASS' if ok else 'FAIL'}  time ratio E={E} T={t_max}: "
@@ -474,8 +495,9 @@ def checks(args, results):
         ok = r["memory_ratio"] <= MEMORY_TARGET
         lines.append(f"{'PASS' if ok else 'FAIL'}  memory ratio E={E} T={t_max}: "
                      f"{r['memory_ratio']:.3f} (target <= {MEMORY_TARGET})")
-    if t_max != 16384:
-        lines.append(f"note: targets are defined at T=16384; checked here at T={t_max}")
+    defined_at = 4096 if args.autocast else 16384
+    if t_max != defined_at:
+        lines.append(f"note: targets are defined at T={defined_at}; checked here at T={t_max}")
     t_min = min(args.T)
     if t_min != t_max:
         expect = t_max / t_min
@@ -505,7 +527,8 @@ def start(args):
              else "glibc default")
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
           f"malloc {alloc}, "
-          f"d={args.d} f={args.f} k={args.k} fp32, "
+          f"d={args.d} f={args.f} k={args.k} "
+          f"{f'fp32 weights, forwards under autocast {args.autocast}' if args.autocast else 'fp32'}, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
 

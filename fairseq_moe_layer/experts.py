@@ -67,10 +67,28 @@ class Experts(nn.Module):
         """Activation dropout in force now (0 at eval)."""
         return self.activation_dropout if self.training else 0.0
 
-    def forward(self, rows, counts, ops=reference):
-        """rows: [N, d] sorted by expert, counts: [E] -> [N, d]. ops: the kernels (fairseq_moe_kernels.backend.ops)."""
-        return ops.grouped_mlp(rows, counts, self.w1, self.b1, self.w2, self.b2, self.activation,
-                               self.dropout_p())
+    def compute_dtype(self, x):
+        """The dtype the experts compute tokens x in: autocast's where it is on for x's device (as nn.Linear follows
+        it: fp32 weights cast, fp64 ones not), else the weights' (x is cast to it)."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and self.w1.dtype != torch.float64:
+            return torch.get_autocast_dtype(device)
+        return self.w1.dtype
+
+    def _run(self, op, x, *args, ops=reference, weights=None):
+        """ops.op on x and the weights (weights: (w1, b1, w2, b2), these experts' by default), all cast to
+        compute_dtype(x), with autocast off: every backend then gets one dtype and computes in it natively (its
+        custom autograd Functions and their backward too); the casts carry the gradients back to the weights'
+        dtype, as autocast's own casts do."""
+        dtype = self.compute_dtype(x)
+        w1, b1, w2, b2 = (w.to(dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
+        with torch.autocast(x.device.type, enabled=False):
+            return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p())
+
+    def forward(self, rows, counts, ops=reference, weights=None):
+        """rows: [N, d] sorted by expert, counts: [E] -> [N, d] in compute_dtype(rows). ops: the kernels
+        (fairseq_moe_kernels.backend.ops); weights: (w1, b1, w2, b2) in place of these experts' (pipeline.py)."""
+        return self._run("grouped_mlp", rows, counts, ops=ops, weights=weights)
 
     def all_tokens(self, x, ops=reference):
         """sum over these experts of expert(x): x [T, d] -> [T, d] (shared, always-on experts)."""
@@ -79,10 +97,9 @@ class Experts(nn.Module):
         return self(x.repeat(E, 1), counts, ops).view(E, T, x.shape[1]).sum(0)
 
     def combine(self, x, token_index, weights, counts, ops=reference):
-        """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d], fused."""
-        return ops.moe_mlp(x, token_index, weights, counts, self.w1, self.b1, self.w2, self.b2,
-                           self.activation, self.dropout_p())
-
+        """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d] in compute_dtype(x), fused
+        (the weighted sum in that dtype, as the experts' outputs are)."""
+        return self._run("moe_mlp", x, token_index, weights, counts, ops=ops)
 
 def _take_local_slice(module, state_dict, prefix, *args):
     """Loading all E experts (a consolidated checkpoint) into a rank that holds E_l of them."""

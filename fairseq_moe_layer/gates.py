@@ -5,6 +5,7 @@ compute them differently. A new gate is one class here with its `help` (shown wi
 registered by @register_gate("name"); the contract tests in tests/fairseq_moe_layer/test_gates.py run every
 registered gate.
 """
+import contextlib
 import math
 
 import torch
@@ -42,6 +43,14 @@ def register_gate(name, help=None):
 NOISES = ("none", "jitter", "gaussian")  # --moe-gate-noise
 
 
+def _precision(x, fp32):
+    """(dtype, context) of a gate's GEMMs: fp32 with autocast off (--moe-gate-fp32: the router's logits in fp32
+    whatever the autocast), or x's dtype with autocast as it is."""
+    if fp32:
+        return torch.float32, torch.autocast(x.device.type, enabled=False)
+    return x.dtype, contextlib.nullcontext()
+
+
 @register_gate("linear")
 class LinearGate(nn.Module):
     """logits = x @ weight.T, weight [E, d] kept in fp32 (GShard, Switch, fairseq's moe branch)."""
@@ -56,9 +65,9 @@ class LinearGate(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
-        if self.fp32:
-            return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight.to(x.dtype)).float()
+        dtype, precision = _precision(x, self.fp32)
+        with precision:
+            return F.linear(x.to(dtype), self.weight.to(dtype)).float()
 
 
 @register_gate("cosine")
@@ -83,10 +92,13 @@ class CosineGate(nn.Module):
         self.register_load_state_dict_pre_hook(_fixed_temperature_if_missing)
 
     def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
-        dtype = torch.float32 if self.fp32 else x.dtype
-        h = F.normalize(F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype)).float(), dim=-1)
+        dtype, precision = _precision(x, self.fp32)
+        with precision:
+            h = F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype))  # [T, 256]
+        h = F.normalize(h.float(), dim=-1)
         scale = self.log_inv_temperature.float().clamp(max=math.log(1.0 / self.MIN_TEMPERATURE)).exp()
-        return F.linear(h, F.normalize(self.weight.float(), dim=-1)) * scale
+        with torch.autocast(x.device.type, enabled=False):  # (the cosines in fp32 either way)
+            return F.linear(h, F.normalize(self.weight.float(), dim=-1)) * scale
 
 
 def _fixed_temperature_if_missing(module, state_dict, prefix, *args):
@@ -113,8 +125,9 @@ class ScaledCosineGate(nn.Module):
         self.scale = nn.Parameter(torch.ones((), dtype=torch.float32))
 
     def forward(self, x):  # x: [T, d] -> logits [T, E] fp32
-        dtype = torch.float32 if self.fp32 else x.dtype
-        cos = F.linear(F.normalize(x.to(dtype), dim=-1), F.normalize(self.weight.to(dtype), dim=-1)).float()
+        dtype, precision = _precision(x, self.fp32)
+        with precision:
+            cos = F.linear(F.normalize(x.to(dtype), dim=-1), F.normalize(self.weight.to(dtype), dim=-1)).float()
         return self.scale.float() * cos
 
 

@@ -99,7 +99,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"token_ids {tuple(token_ids.shape)} must match x{tuple(shape[:-1])}")
             token_ids = token_ids.reshape(-1) if keep is None else token_ids.reshape(-1).index_select(0, keep)
         T = x.shape[0]
-        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
+        dtype = self.experts.compute_dtype(x)  # autocast's where it is on (the gate and the losses stay fp32)
+        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, dtype))
 
         logits, clean = self.router_logits(x)  # [T, E] fp32
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
@@ -113,7 +114,7 @@ class MoELayer(nn.Module):
         if self.ep is None:
             y = self.experts.combine(x, r.token_index, weights, r.counts, ops)  # [T, d]
         else:
-            rows = ops.permute(x, r.token_index)  # [N, d] sorted by expert
+            rows = ops.permute(x.to(dtype), r.token_index)  # [N, d] sorted by expert, cast before they travel
             y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, weights, T)  # [T, d]
 
         cmr = None

@@ -113,7 +113,7 @@ class _Pipelined(torch.autograd.Function):
 def pipelined_experts(rows, send, experts, ep, degree, ops):
     """rows [N, d] sorted by global expert, send [P, El] -> expert outputs [N, d], same order.
     ops: the kernel backend (fairseq_moe_kernels.backend.ops); its grouped MLP computes each chunk."""
-    def mlp(x, counts, w1, b1, w2, b2):
-        return ops.grouped_mlp(x, counts, w1, b1, w2, b2, experts.activation, experts.dropout_p())
+    def mlp(x, counts, w1, b1, w2, b2):  # (in compute_dtype(x), as Experts.forward: autocast's where it is on)
+        return experts(x, counts, ops, weights=(w1, b1, w2, b2))
 
     return _Pipelined.apply(rows, send, experts.w1, experts.b1, experts.w2, experts.b2, ep, mlp, degree)

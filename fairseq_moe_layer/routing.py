@@ -407,7 +407,7 @@ class Soft(Policy):
         mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()  # [G, n]
         G, n, d = x.shape
         E, P = cfg.num_experts, cfg.soft_slots
-        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, x.dtype))
+        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, layer.experts.compute_dtype(x)))
         logits = logits.view(G, n, E * P)
         dispatch, combine = soft_weights(logits, mask)  # [G, n, E*P], fp32
         slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*P, d]

@@ -1,5 +1,5 @@
-"""benchmarks/bench_gemm_shapes.py, and bench_layer.py's --keep-freed-memory and --tutel, at tiny sizes (in a
-subprocess each: mallopt changes the allocator of the whole process). The figures are measured by running the
+"""benchmarks/bench_gemm_shapes.py, and bench_layer.py's --keep-freed-memory, --tutel and --autocast, at tiny sizes
+(in a subprocess each: mallopt changes the allocator of the whole process). The figures are measured by running the
 scripts (benchmarks/README.md)."""
 import json
 import os
@@ -52,3 +52,12 @@ def test_the_layer_benchmark_times_tutel_beside_ours_where_it_is_installed():
     out = run("bench_layer.py", "--E", "4", "--T", "64", "--d", "8", "--f", "12", "--reps", "1", "--threads", "1",
               "--dropless", "--tutel")
     assert out.count("Tutel's layer:") == 1
+
+
+def test_the_layer_benchmark_times_both_models_under_autocast(tmp_path):
+    out = tmp_path / "layer.json"
+    printed = run("bench_layer.py", "--E", "4", "--T", "64", "--d", "8", "--f", "12", "--reps", "1", "--threads", "1",
+                  "--dropless", "--autocast", "bf16", "--json", str(out))
+    assert "forwards under autocast bf16" in printed and "(target <= 1.3)" in printed
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["autocast"] == "bf16" and row["moe_ms"] > 0 and row["dense_ms"] > 0
