@@ -12,9 +12,20 @@ every rank, and ranks still running --grace-seconds later are killed; the ranks 
 however it ends (SIGKILL included: Linux's parent-death signal), so none trains on alone into the folder
 of a relaunch; a usage error is printed by rank 0 alone (FAIRSEQ_MOE_LAUNCH_RANK, read by cli.py). On GPUs
 use torchrun or Slurm as usual.
+
+--start fork (the default where it can) imports the command's program once, here, and forks the ranks from
+this process: one start-up (torch, fairseq, the plugin: 5-6 s of CPU) instead of one per rank. It applies to
+this environment's console scripts (fairseq-train, -generate, ...) with `--user-dir` naming this plugin, and
+to `python SCRIPT|-c CODE|-m MODULE` of this very interpreter (what to import first: --preload). Each forked
+rank gets the environment, argv, sys.path[0] and signal dispositions a fresh interpreter would, and ends as
+one does (its threads joined, its atexit functions run, the same exit status). Anything else, or
+`--start exec`, starts each rank as its own program (torchrun's way).
 """
 import argparse
+import atexit
 import ctypes
+import importlib
+import importlib.metadata
 import os
 import random
 import shutil
@@ -22,13 +33,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 SETTLE_SECONDS = 5  # after a rank fails, before the others are stopped
 GRACE_SECONDS = 30  # default time ranks get to exit (and save) after a stop, before SIGKILL
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_PATH0 = sys.path[0]  # the launcher's own script folder (a forked rank puts its program's there)
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def die_with(parent):
@@ -66,6 +81,167 @@ def free_port():
         return s.getsockname()[1]
 
 
+# What a console script's ranks all import later, beyond its module: torch's optimizers import torch._dynamo when
+# the first is built (1.5-4 s a rank).
+ALSO_PRELOADED = {"fairseq-train": ("torch._dynamo",), "fairseq-hydra-train": ("torch._dynamo",)}
+
+
+def user_dir_is_this_plugin(args):
+    """Whether the command's --user-dir is this package's folder (fairseq refuses a second fairseq_moe)."""
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--user-dir" and i + 1 < len(args) else arg[11:] if arg.startswith(
+            "--user-dir=") else None
+        if value is not None:
+            return os.path.abspath(value) == PACKAGE_DIR
+    return False
+
+
+def in_process(command, preload):
+    """How a forked rank runs `command` (the rank's, with the distributed flags) in this interpreter, or None where
+    it cannot (--start fork then means exec): (modules to import here first, run), run() called in the rank and
+    returning what the program would exit with."""
+    program, args = command[0], command[1:]
+    if os.path.dirname(program) == os.path.dirname(os.path.abspath(sys.executable)):
+        name = os.path.basename(program)
+        scripts = importlib.metadata.entry_points(group="console_scripts").select(name=name)
+        if scripts and os.path.abspath(program) != os.path.abspath(sys.executable):
+            if not user_dir_is_this_plugin(args):
+                return None  # (a plugin loaded here would then act in ranks that did not ask for it)
+            script = next(iter(scripts))
+
+            def run_script():
+                sys.argv = [program, *args]
+                script_folder(os.path.dirname(program))
+                return script.load()()
+            return [script.module, *ALSO_PRELOADED.get(name, ()), *preload], run_script
+    if os.path.abspath(program) != os.path.abspath(sys.executable) or not args:
+        return None
+    first, rest = args[0], args[1:]
+    if first == "-c" and rest:
+        def run_code():
+            sys.argv = ["-c", *rest[1:]]
+            script_folder("")
+            main = type(sys)("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(rest[0], "<string>", "exec"), main.__dict__)
+        return list(preload), run_code
+    if first == "-m" and rest:
+        import runpy
+
+        def run_module():
+            sys.argv = [rest[0], *rest[1:]]
+            script_folder(os.getcwd())
+            runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
+        return list(preload), run_module
+    if not first.startswith("-") and os.path.isfile(first):
+        import runpy
+
+        def run_path():
+            sys.argv = [first, *rest]
+            script_folder(os.path.dirname(os.path.abspath(first)))
+            runpy.run_path(first, run_name="__main__")
+        return list(preload), run_path
+    return None
+
+
+def script_folder(folder):
+    """sys.path[0] of a forked rank: its program's folder, where the launcher had its own."""
+    if sys.path and sys.path[0] == _PATH0:
+        sys.path[0] = folder
+    else:
+        sys.path.insert(0, folder)
+
+
+class Forked:
+    """A rank forked from this launcher, with the part of Popen's interface wait_all and stop use."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:  # (not reaped yet: the pid is still this rank's)
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_rank(run, env, preexec, fresh):
+    """Fork a rank that runs run() with env as its environment and `fresh` as its signal dispositions, then exits
+    as an interpreter would (threads joined, atexit functions run, SystemExit's code, a traceback and 1 for an
+    exception, death by SIGINT for an unhandled KeyboardInterrupt)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Blocked across the fork: one that comes before the rank has its own dispositions waits for them (else
+    # the launcher's handler, copied into the rank, would swallow it).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    pid = os.fork()
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return Forked(pid)
+    code, interrupted = 1, False
+    try:
+        preexec()
+        for signum, disposition in fresh.items():
+            signal.signal(signum, disposition)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            code = exit_status(run())
+        except SystemExit as e:
+            code = exit_status(e.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            interrupted = True
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # what the interpreter does at exit (multiprocessing's fork children too)
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if interrupted:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code)
+
+
+def exit_status(code):
+    """The exit status of sys.exit(code), as the interpreter gives it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def start_rank(cmd, env, preexec, runner, fresh):
+    """Start one rank: forked running runner (in_process's run), or cmd as its own program where runner is None."""
+    if runner is None:
+        return subprocess.Popen(cmd, env=env, preexec_fn=preexec)
+    return fork_rank(runner, env, preexec, fresh)
+
+
 def rank_command(command, nproc):
     """The command of every rank: the user's, plus the distributed flags it did not set itself."""
     given = {a.split("=")[0] for a in command if a.startswith("--")}
@@ -90,6 +266,12 @@ def main(argv=None):
     parser.add_argument("--grace-seconds", type=float, default=GRACE_SECONDS,
                         help="after a signal or a failed rank, seconds the other ranks get to exit before "
                              f"they are killed with SIGKILL (default: {GRACE_SECONDS})")
+    parser.add_argument("--start", choices=("fork", "exec"), default="fork",
+                        help="fork: import the command once here and fork the ranks (one start-up, not one per rank) "
+                             "where the command allows it (see above), else exec; exec: each rank its own program")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="with --start fork, a module to import before the ranks fork (repeatable; a console "
+                             "script's own module is imported anyway)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the fairseq command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -103,6 +285,17 @@ def main(argv=None):
         commands = [rank_command(command, args.nproc)] * args.nproc
     except ValueError as err:
         parser.error(str(err))
+    how = in_process(commands[0], args.preload) if args.start == "fork" else None
+    runner = None
+    if how is not None:
+        modules, runner = how
+        # The threads the ranks will have, before torch, numpy and OpenMP are loaded here and read it.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        for module in modules:
+            importlib.import_module(module)
+    # A forked rank's dispositions are a fresh interpreter's: Python's SIGINT handler, the others' defaults.
+    fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+             for signum in FORWARDED if signal.getsignal(signum) != signal.SIG_IGN}
 
     # Installed before any rank starts: a signal that comes while ranks start stops the launch, and
     # the ranks started by then get it too. The handler only records it; the wait loop passes it on.
@@ -119,7 +312,7 @@ def main(argv=None):
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
                    FAIRSEQ_MOE_LAUNCH_RANK=str(rank))
         env.setdefault("OMP_NUM_THREADS", str(threads))
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with(os.getpid())))
+        procs.append(start_rank(cmd, env, die_with(os.getpid()), runner, fresh))
     return wait_all(procs, received, args.grace_seconds)
 
 

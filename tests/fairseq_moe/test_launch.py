@@ -36,7 +36,7 @@ time.sleep(120)
 LAUNCH_PY = os.path.join(importlib.util.find_spec("fairseq_moe").submodule_search_locations[0], "launch.py")
 
 # python -c LAUNCHER LAUNCH_PY FOLDER PATCH ARGS...: the launcher's main(ARGS). With PATCH "signal",
-# its Popen sends the launcher SIGTERM right after it has started rank 0: a signal that comes while
+# its start_rank sends the launcher SIGTERM right after it has started rank 0: a signal that comes while
 # ranks start. Every rank it starts has its pid recorded in FOLDER/started.
 LAUNCHER = r"""
 import importlib.util, os, signal, subprocess, sys
@@ -44,14 +44,15 @@ path, folder, patch, *args = sys.argv[1:]
 spec = importlib.util.spec_from_file_location("launch", path)
 launch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(launch)
-class Popen(subprocess.Popen):
-    def __init__(self, *popen_args, **kwargs):
-        super().__init__(*popen_args, **kwargs)
-        with open(os.path.join(folder, "started"), "a") as f:
-            f.write(f"{self.pid}\n")
-        if patch == "signal":
-            os.kill(os.getpid(), signal.SIGTERM)
-launch.subprocess.Popen = Popen
+start_rank = launch.start_rank
+def recorded(*rank_args):
+    rank = start_rank(*rank_args)
+    with open(os.path.join(folder, "started"), "a") as f:
+        f.write(f"{rank.pid}\n")
+    if patch == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return rank
+launch.start_rank = recorded
 sys.exit(launch.main(args))
 """
 
@@ -59,11 +60,12 @@ NPROC = 3
 TIMEOUT = 20  # seconds; nothing here should come near it
 
 
-@pytest.fixture
-def run(tmp_path):
-    """start(*launcher_args, mode=..., ignored=(signals)) -> the launcher's Popen; at teardown nothing it
-    started survives. The launcher starts with the forwarded signals at their defaults, except `ignored`
-    (pytest itself may run with SIGINT ignored: a shell's background job)."""
+@pytest.fixture(params=["fork", "exec"])
+def run(tmp_path, request):
+    """start(*launcher_args, mode=..., ignored=(signals)) -> the launcher's Popen, its ranks forked from it or each
+    its own program (--start: every test runs both ways); at teardown nothing it started survives. The launcher
+    starts with the forwarded signals at their defaults, except `ignored` (pytest itself may run with SIGINT
+    ignored: a shell's background job)."""
     started = []
 
     def start(*launcher_args, mode="sleep", patch="none", ignored=()):
@@ -73,7 +75,8 @@ def run(tmp_path):
 
         launcher = [sys.executable, "-c", LAUNCHER, LAUNCH_PY, str(tmp_path), patch]
         rank = [sys.executable, "-c", RANK, str(tmp_path), mode]
-        proc = subprocess.Popen([*launcher, "--nproc", str(NPROC), *launcher_args, "--", *rank],
+        proc = subprocess.Popen([*launcher, "--nproc", str(NPROC), "--start", request.param, *launcher_args, "--",
+                                 *rank],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=dispositions)
         started.append(proc)
@@ -210,3 +213,91 @@ def test_a_launch_inside_an_srun_step_keeps_its_own_ranks(tmp_path):
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(line.split()[1] for line in out.stdout.splitlines()) == ["0", "1"], out.stdout
+
+
+def load_launch():
+    spec = importlib.util.spec_from_file_location("launch", LAUNCH_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_what_a_forked_rank_can_run():
+    """--start fork runs in the launcher's interpreter only what that interpreter would run: this environment's console
+    scripts with this plugin as their --user-dir (another fairseq_moe folder is fairseq's error, a missing one would
+    leave the plugin acting where it was not asked), and python SCRIPT/-c/-m of this very interpreter."""
+    launch = load_launch()
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    train = os.path.join(bin_dir, "fairseq-train")
+    here = os.path.dirname(LAUNCH_PY)
+    modules, _ = launch.in_process([train, "data", "--user-dir", here], [])
+    assert modules[:2] == ["fairseq_cli.train", "torch._dynamo"]
+    assert launch.in_process([train, "data", f"--user-dir={here}"], ["x"])[0][-1] == "x"
+    assert launch.in_process([train, "data", "--user-dir", "/elsewhere/fairseq_moe"], []) is None
+    assert launch.in_process([train, "data"], []) is None
+    assert launch.in_process(["/usr/bin/fairseq-train", "data", "--user-dir", here], []) is None
+    assert launch.in_process([sys.executable, "-c", "pass"], ["m"])[0] == ["m"]
+    assert launch.in_process([sys.executable, "-m", "json.tool"], [])[0] == []
+    assert launch.in_process([sys.executable, LAUNCH_PY], [])[0] == []
+    assert launch.in_process([sys.executable, "-u", "-c", "pass"], []) is None
+    assert launch.in_process([sys.executable], []) is None
+    assert launch.in_process(["/no/such/python", "-c", "pass"], []) is None
+
+
+@pytest.mark.parametrize("form", ["-c", "-m", "script"])
+def test_a_forked_rank_runs_as_its_program_would(tmp_path, form):
+    """A forked rank sees what the same rank exec'd sees: its argv, sys.path[0], environment, __name__, and ends with
+    the same exit status; its atexit functions and non-daemon threads run to the end."""
+    code = ("import atexit, json, os, sys, threading, time\n"
+            "def late():\n    time.sleep(0.3)\n    open(os.path.join(sys.argv[1], 'thread' + os.environ['RANK']), 'w').close()\n"
+            "threading.Thread(target=late).start()\n"
+            "atexit.register(lambda: open(os.path.join(sys.argv[1], 'atexit' + os.environ['RANK']), 'w').close())\n"
+            "seen = dict(argv=sys.argv[3:], path0=sys.path[0], rank=os.environ['RANK'], name=__name__,\n"
+            "            world=os.environ['WORLD_SIZE'], omp=os.environ['OMP_NUM_THREADS'])\n"
+            "with open(os.path.join(sys.argv[1], sys.argv[2] + os.environ['RANK']), 'w') as f:\n    json.dump(seen, f)\n"
+            "sys.exit(0)\n")
+    (tmp_path / "rankmod.py").write_text(code)
+    program = {"-c": ["-c", code], "-m": ["-m", "rankmod"], "script": [str(tmp_path / "rankmod.py")]}[form]
+    for start in ("exec", "fork"):
+        out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--start", start, "--", sys.executable,
+                              *program, str(tmp_path), start], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr
+    for rank in "01":
+        assert (tmp_path / f"exec{rank}").read_text() == (tmp_path / f"fork{rank}").read_text()
+        assert (tmp_path / f"thread{rank}").exists() and (tmp_path / f"atexit{rank}").exists()
+
+
+@pytest.mark.parametrize("how", ["sys.exit(7)", "sys.exit('a message')", "raise ValueError('boom')", "os._exit(5)"])
+def test_a_forked_rank_exits_as_its_program_would(tmp_path, how):
+    results = {}
+    for start in ("exec", "fork"):
+        out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "1", "--start", start, "--", sys.executable, "-c",
+                              f"import os, sys\n{how}"], capture_output=True, text=True, timeout=TIMEOUT)
+        results[start] = out.returncode, out.stderr.splitlines()[-1:]
+    assert results["fork"] == results["exec"]
+
+
+@pytest.mark.slow
+def test_fairseq_train_forked_and_exec_train_the_same_weights(data_bin, tmp_path):
+    """fairseq-train on 2 ranks forked from the launcher (the default) and each its own program: the same set."""
+    import torch
+
+    from fairseq_moe.checkpoints import sets
+    from tests.fairseq_moe.helpers import train_argv
+
+    states = {}
+    for start in ("fork", "exec"):
+        save = tmp_path / start
+        out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--start", start, "--",
+                              "fairseq-train", *train_argv(data_bin, save, "--moe-expert-count", "4", "--max-update",
+                                                           "3")],
+                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        states[start] = {name: sets.read_file(str(save / name)).get("model", {})
+                         for name in sorted(os.listdir(save)) if name.startswith("checkpoint_last")}
+    assert states["fork"].keys() == states["exec"].keys() and len(states["fork"]) > 1
+    for name, model in states["fork"].items():
+        assert model.keys() == states["exec"][name].keys(), name
+        for key, value in model.items():
+            assert torch.equal(value, states["exec"][name][key]), (name, key)

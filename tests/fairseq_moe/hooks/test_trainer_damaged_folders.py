@@ -216,12 +216,13 @@ cli_main()
 
 def launch_w(W, data_bin, save, *extra, fault=None, victim=None, script=None):
     """fairseq-train on W ranks; with a fault: through FAULTY at `script`."""
-    program = ["fairseq-train"]
+    program, preload = ["fairseq-train"], []
     if fault is not None:
         script.write_text(FAULTY)
         program = [sys.executable, str(script), fault, str(victim), USER_DIR]
-    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--grace-seconds", "5", "--", *program,
-           *train_argv(data_bin, save, *extra)]
+        preload = ["--preload", "fairseq_cli.train", "--preload", "torch._dynamo"]  # (imported once, not per rank)
+    cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--grace-seconds", "5", *preload, "--",
+           *program, *train_argv(data_bin, save, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 
