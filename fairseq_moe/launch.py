@@ -292,7 +292,10 @@ def main(argv=None):
         # The threads the ranks will have, before torch, numpy and OpenMP are loaded here and read it.
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         for module in modules:
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                parser.error(f"--preload {module}: {err}" if module in args.preload else str(err))
     # A forked rank's dispositions are a fresh interpreter's: Python's SIGINT handler, the others' defaults.
     fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
              for signum in FORWARDED if signal.getsignal(signum) != signal.SIG_IGN}

@@ -268,6 +268,13 @@ def test_a_forked_rank_runs_as_its_program_would(tmp_path, form):
         assert (tmp_path / f"thread{rank}").exists() and (tmp_path / f"atexit{rank}").exists()
 
 
+def test_a_module_to_preload_that_is_missing_is_one_line():
+    out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--preload", "no_such_module_here", "--",
+                          sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].endswith(
+        "error: --preload no_such_module_here: No module named 'no_such_module_here'"), out.stderr
+
+
 @pytest.mark.parametrize("how", ["sys.exit(7)", "sys.exit('a message')", "raise ValueError('boom')", "os._exit(5)"])
 def test_a_forked_rank_exits_as_its_program_would(tmp_path, how):
     results = {}
