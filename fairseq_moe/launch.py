@@ -14,15 +14,17 @@ of a relaunch; a usage error is printed by rank 0 alone (FAIRSEQ_MOE_LAUNCH_RANK
 use torchrun or Slurm as usual.
 
 --start fork (the default where it can) imports the command's program once, here, and forks the ranks from
-this process: one start-up (torch, fairseq, the plugin: 5-6 s of CPU) instead of one per rank. It applies to
-this environment's console scripts (fairseq-train, -generate, ...) with `--user-dir` naming this plugin, and
-to `python SCRIPT|-c CODE|-m MODULE` of this very interpreter (what to import first: --preload). Each forked
-rank gets the environment, argv, sys.path[0] and signal dispositions a fresh interpreter would, and ends as
-one does (its threads joined, its atexit functions run, the same exit status). Anything else, or
-`--start exec`, starts each rank as its own program (torchrun's way).
+this process: one start-up (torch, fairseq, the plugin, torch._dynamo: 6-8 s of CPU) instead of one per rank. It
+applies to this environment's console scripts (fairseq-train, -generate, ...) with `--user-dir` naming this
+plugin, and to `python SCRIPT|-c CODE|-m MODULE` of this very interpreter (what to import first: --preload; where
+that imports fairseq, the command must name this plugin too). Each forked rank gets the environment, argv,
+sys.path and signal dispositions the program started alone would have, the plugin's patches for its rank, and
+ends as that program would: its return value, SystemExit or exception leaves the launcher's frames and the
+interpreter ends the process as usual (threads joined, atexit run, files flushed, a traceback, death by SIGINT
+for an unhandled KeyboardInterrupt). Anything else, or `--start exec`, starts each rank as its own program
+(torchrun's way).
 """
 import argparse
-import atexit
 import ctypes
 import importlib
 import importlib.metadata
@@ -33,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 
@@ -83,23 +84,27 @@ def free_port():
 
 # What a console script's ranks all import later, beyond its module: torch's optimizers import torch._dynamo when
 # the first is built (1.5-4 s a rank).
-ALSO_PRELOADED = {"fairseq-train": ("torch._dynamo",), "fairseq-hydra-train": ("torch._dynamo",)}
+ALSO_PRELOADED = {"fairseq-train": ("torch._dynamo",)}
 
 
 def user_dir_is_this_plugin(args):
-    """Whether the command's --user-dir is this package's folder (fairseq refuses a second fairseq_moe)."""
+    """Whether the command's --user-dir (the last one, as argparse reads it) is this package's folder (fairseq
+    refuses a second fairseq_moe)."""
+    value = None
     for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--user-dir" and i + 1 < len(args) else arg[11:] if arg.startswith(
-            "--user-dir=") else None
-        if value is not None:
-            return os.path.abspath(value) == PACKAGE_DIR
-    return False
+        if arg == "--user-dir" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--user-dir="):
+            value = arg[len("--user-dir="):]
+    return value is not None and os.path.abspath(value) == PACKAGE_DIR
 
 
 def in_process(command, preload):
     """How a forked rank runs `command` (the rank's, with the distributed flags) in this interpreter, or None where
     it cannot (--start fork then means exec): (modules to import here first, run), run() called in the rank and
-    returning what the program would exit with."""
+    returning what the program would exit with. fairseq comes first where it is imported at all: this package's
+    hook then loads the plugin once fairseq is whole (inside another fairseq module's import it would patch
+    half-made modules)."""
     program, args = command[0], command[1:]
     if os.path.dirname(program) == os.path.dirname(os.path.abspath(sys.executable)):
         name = os.path.basename(program)
@@ -112,8 +117,9 @@ def in_process(command, preload):
             def run_script():
                 sys.argv = [program, *args]
                 script_folder(os.path.dirname(program))
+                sys.path.insert(0, os.path.dirname(PACKAGE_DIR))  # what fairseq's import of the --user-dir does
                 return script.load()()
-            return [script.module, *ALSO_PRELOADED.get(name, ()), *preload], run_script
+            return fairseq_first([script.module, *ALSO_PRELOADED.get(name, ()), *preload]), run_script
     if os.path.abspath(program) != os.path.abspath(sys.executable) or not args:
         return None
     first, rest = args[0], args[1:]
@@ -124,7 +130,7 @@ def in_process(command, preload):
             main = type(sys)("__main__")
             sys.modules["__main__"] = main
             exec(compile(rest[0], "<string>", "exec"), main.__dict__)
-        return list(preload), run_code
+        return fairseq_first(preload), run_code
     if first == "-m" and rest:
         import runpy
 
@@ -132,7 +138,7 @@ def in_process(command, preload):
             sys.argv = [rest[0], *rest[1:]]
             script_folder(os.getcwd())
             runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
-        return list(preload), run_module
+        return fairseq_first(preload), run_module
     if not first.startswith("-") and os.path.isfile(first):
         import runpy
 
@@ -140,8 +146,12 @@ def in_process(command, preload):
             sys.argv = [first, *rest]
             script_folder(os.path.dirname(os.path.abspath(first)))
             runpy.run_path(first, run_name="__main__")
-        return list(preload), run_path
+        return fairseq_first(preload), run_path
     return None
+
+
+def fairseq_first(modules):
+    return (["fairseq"] if any(m.split(".")[0] in ("fairseq", "fairseq_cli") for m in modules) else []) + list(modules)
 
 
 def script_folder(folder):
@@ -160,7 +170,10 @@ class Forked:
 
     def poll(self):
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost (Popen says 0 too)
+                pid, status = self.pid, 0
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -181,10 +194,15 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+class RankExit(SystemExit):
+    """Raised in a forked rank when its program has returned: it leaves the launcher's frames and ends this
+    process as the interpreter ends any program (threads joined, atexit, open files flushed as modules go)."""
+
+
 def fork_rank(run, env, preexec, fresh):
-    """Fork a rank that runs run() with env as its environment and `fresh` as its signal dispositions, then exits
-    as an interpreter would (threads joined, atexit functions run, SystemExit's code, a traceback and 1 for an
-    exception, death by SIGINT for an unhandled KeyboardInterrupt)."""
+    """Fork a rank that runs run() with env as its environment and `fresh` as its signal dispositions. In the rank
+    this never returns: the program's end (a return, SystemExit, an exception, KeyboardInterrupt) travels up to
+    the interpreter, which ends the process as it would have ended the program started alone."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Blocked across the fork: one that comes before the rank has its own dispositions waits for them (else
@@ -194,45 +212,22 @@ def fork_rank(run, env, preexec, fresh):
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return Forked(pid)
-    code, interrupted = 1, False
     try:
         preexec()
         for signum, disposition in fresh.items():
             signal.signal(signum, disposition)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        plugin = sys.modules.get("fairseq_moe")
+        if plugin is not None and hasattr(plugin, "_AfterFairseq"):  # (the launcher's hook: not the program's)
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, plugin._AfterFairseq)]
         os.environ.clear()
         os.environ.update(env)
-        try:
-            code = exit_status(run())
-        except SystemExit as e:
-            code = exit_status(e.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            interrupted = True
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        threading._shutdown()  # what the interpreter does at exit (multiprocessing's fork children too)
-        atexit._run_exitfuncs()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            if interrupted:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(code)
-
-
-def exit_status(code):
-    """The exit status of sys.exit(code), as the interpreter gives it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
+        if "fairseq_moe.patches" in sys.modules:  # the patches that depend on the rank (FAIRSEQ_MOE_LAUNCH_RANK)
+            sys.modules["fairseq_moe.patches"].apply()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    raise RankExit(run())
 
 
 def start_rank(cmd, env, preexec, runner, fresh):
@@ -271,7 +266,8 @@ def main(argv=None):
                              "where the command allows it (see above), else exec; exec: each rank its own program")
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
                         help="with --start fork, a module to import before the ranks fork (repeatable; a console "
-                             "script's own module is imported anyway)")
+                             "script's own module is imported anyway). It must not run torch operations: a rank "
+                             "forked after OpenMP's threads have started would wait for them forever")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the fairseq command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -296,6 +292,8 @@ def main(argv=None):
                 importlib.import_module(module)
             except ImportError as err:
                 parser.error(f"--preload {module}: {err}" if module in args.preload else str(err))
+        if "fairseq" in sys.modules and not user_dir_is_this_plugin(commands[0][1:]):
+            runner = None  # fairseq imported here loaded the plugin, which a rank that did not name it must not get
     # A forked rank's dispositions are a fresh interpreter's: Python's SIGINT handler, the others' defaults.
     fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
              for signum in FORWARDED if signal.getsignal(signum) != signal.SIG_IGN}

@@ -231,12 +231,14 @@ def test_what_a_forked_rank_can_run():
     train = os.path.join(bin_dir, "fairseq-train")
     here = os.path.dirname(LAUNCH_PY)
     modules, _ = launch.in_process([train, "data", "--user-dir", here], [])
-    assert modules[:2] == ["fairseq_cli.train", "torch._dynamo"]
+    assert modules[:3] == ["fairseq", "fairseq_cli.train", "torch._dynamo"]  # (fairseq whole before the plugin loads)
     assert launch.in_process([train, "data", f"--user-dir={here}"], ["x"])[0][-1] == "x"
     assert launch.in_process([train, "data", "--user-dir", "/elsewhere/fairseq_moe"], []) is None
     assert launch.in_process([train, "data"], []) is None
     assert launch.in_process(["/usr/bin/fairseq-train", "data", "--user-dir", here], []) is None
     assert launch.in_process([sys.executable, "-c", "pass"], ["m"])[0] == ["m"]
+    assert launch.in_process([sys.executable, "-c", "pass"], ["fairseq_cli.train"])[0] == ["fairseq", "fairseq_cli.train"]
+    assert launch.in_process([train, "--user-dir", "/elsewhere/fairseq_moe", "--user-dir", here], []) is not None
     assert launch.in_process([sys.executable, "-m", "json.tool"], [])[0] == []
     assert launch.in_process([sys.executable, LAUNCH_PY], [])[0] == []
     assert launch.in_process([sys.executable, "-u", "-c", "pass"], []) is None
@@ -252,20 +254,26 @@ def test_a_forked_rank_runs_as_its_program_would(tmp_path, form):
             "def late():\n    time.sleep(0.3)\n    open(os.path.join(sys.argv[1], 'thread' + os.environ['RANK']), 'w').close()\n"
             "threading.Thread(target=late).start()\n"
             "atexit.register(lambda: open(os.path.join(sys.argv[1], 'atexit' + os.environ['RANK']), 'w').close())\n"
+            "open(os.path.join(sys.argv[1], 'unclosed' + sys.argv[2] + os.environ['RANK']), 'w').write('kept')\n"
             "seen = dict(argv=sys.argv[3:], path0=sys.path[0], rank=os.environ['RANK'], name=__name__,\n"
             "            world=os.environ['WORLD_SIZE'], omp=os.environ['OMP_NUM_THREADS'])\n"
             "with open(os.path.join(sys.argv[1], sys.argv[2] + os.environ['RANK']), 'w') as f:\n    json.dump(seen, f)\n"
+            "if 'xml.dom.minidom' in sys.modules:\n"
+            "    open(os.path.join(sys.argv[1], 'forked' + sys.argv[2] + os.environ['RANK']), 'w').close()\n"
             "sys.exit(0)\n")
     (tmp_path / "rankmod.py").write_text(code)
     program = {"-c": ["-c", code], "-m": ["-m", "rankmod"], "script": [str(tmp_path / "rankmod.py")]}[form]
     for start in ("exec", "fork"):
-        out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--start", start, "--", sys.executable,
-                              *program, str(tmp_path), start], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        # (a module no rank imports: there in a rank's sys.modules only if the rank was forked from the launcher)
+        out = subprocess.run([sys.executable, LAUNCH_PY, "--nproc", "2", "--start", start, "--preload",
+                              "xml.dom.minidom", "--", sys.executable, *program, str(tmp_path), start], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert out.returncode == 0, out.stderr
     for rank in "01":
         assert (tmp_path / f"exec{rank}").read_text() == (tmp_path / f"fork{rank}").read_text()
         assert (tmp_path / f"thread{rank}").exists() and (tmp_path / f"atexit{rank}").exists()
+        assert (tmp_path / f"unclosedfork{rank}").read_text() == "kept"  # (flushed as the interpreter ends)
+        assert (tmp_path / f"forkedfork{rank}").exists() and not (tmp_path / f"forkedexec{rank}").exists()
 
 
 def test_a_module_to_preload_that_is_missing_is_one_line():
@@ -275,7 +283,8 @@ def test_a_module_to_preload_that_is_missing_is_one_line():
         "error: --preload no_such_module_here: No module named 'no_such_module_here'"), out.stderr
 
 
-@pytest.mark.parametrize("how", ["sys.exit(7)", "sys.exit('a message')", "raise ValueError('boom')", "os._exit(5)"])
+@pytest.mark.parametrize("how", ["sys.exit(7)", "sys.exit('a message')", "raise ValueError('boom')", "os._exit(5)",
+                                 "sys.exit(2**64)", "raise KeyboardInterrupt"])
 def test_a_forked_rank_exits_as_its_program_would(tmp_path, how):
     results = {}
     for start in ("exec", "fork"):
@@ -287,20 +296,24 @@ def test_a_forked_rank_exits_as_its_program_would(tmp_path, how):
 
 @pytest.mark.slow
 def test_fairseq_train_forked_and_exec_train_the_same_weights(data_bin, tmp_path):
-    """fairseq-train on 2 ranks forked from the launcher (the default) and each its own program: the same set."""
+    """fairseq-train on 2 ranks forked from the launcher (the default) and each its own program: the same set, with
+    OpenMP's threads (OMP_NUM_THREADS=2) working in the forked ranks."""
     import torch
 
     from fairseq_moe.checkpoints import sets
     from tests.fairseq_moe.helpers import train_argv
 
+    launch = load_launch()
+    command = launch.rank_command(["fairseq-train", *train_argv(data_bin, tmp_path, "--max-update", "3")], 2)
+    assert launch.in_process(command, []) is not None  # (the default, fork, does fork this command)
     states = {}
     for start in ("fork", "exec"):
         save = tmp_path / start
         out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--start", start, "--",
                               "fairseq-train", *train_argv(data_bin, save, "--moe-expert-count", "4", "--max-update",
                                                            "3")],
-                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert out.returncode == 0, out.stderr[-3000:]
+                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+        assert out.returncode == 0, out.stderr[-3000:]  # (2 threads a rank: OpenMP's pool starts after the fork)
         states[start] = {name: sets.read_file(str(save / name)).get("model", {})
                          for name in sorted(os.listdir(save)) if name.startswith("checkpoint_last")}
     assert states["fork"].keys() == states["exec"].keys() and len(states["fork"]) > 1
