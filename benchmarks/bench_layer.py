@@ -523,12 +523,13 @@ def start(args):
     if args.tutel:
         tutel_moe()  # (fails now, naming --tutel, where Tutel is missing)
     env = sorted(k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD"))
+    autocast = getattr(args, "autocast", None)  # (bench_routing.py's arguments have no --autocast)
     alloc = ("keeps freed memory" if args.keep_freed_memory else f"as set by {', '.join(env)}" if env
              else "glibc default")
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
           f"malloc {alloc}, "
           f"d={args.d} f={args.f} k={args.k} "
-          f"{f'fp32 weights, forwards under autocast {args.autocast}' if args.autocast else 'fp32'}, "
+          f"{f'fp32 weights, forwards under autocast {autocast}' if autocast else 'fp32'}, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
 

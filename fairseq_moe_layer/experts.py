@@ -3,6 +3,7 @@
 Layout (so weights copy to and from other libraries): w1 [E, d, f], b1 [E, f], w2 [E, f, d],
 b2 [E, d]; expert e computes act(x @ w1[e] + b1[e]) @ w2[e] + b2[e].
 """
+import contextlib
 import math
 
 import torch
@@ -15,6 +16,28 @@ def is_expert(p):
     """Whether a parameter is one of routed experts (marked `expert` by Experts): each rank holds its own, so
     data-parallel reductions, ZeRO and FSDP leave it out."""
     return hasattr(p, "expert")
+
+
+def autocast_dtype(device_type):
+    """The dtype torch.autocast casts to on this device type now, or None where it is off (or has no autocast: a
+    meta tensor's, say). torch < 2.4 has only per-device functions."""
+    try:
+        if hasattr(torch, "get_autocast_dtype"):
+            return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except RuntimeError:  # (no autocast for this device type)
+        return None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    return None
+
+
+def autocast_off(device_type):
+    """A context with autocast off for this device type (nothing to turn off where it has none)."""
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 class Experts(nn.Module):
@@ -70,9 +93,9 @@ class Experts(nn.Module):
     def compute_dtype(self, x):
         """The dtype the experts compute tokens x in: autocast's where it is on for x's device (as nn.Linear follows
         it: fp32 weights cast, fp64 ones not), else the weights' (x is cast to it)."""
-        device = x.device.type
-        if torch.is_autocast_enabled(device) and self.w1.dtype != torch.float64:
-            return torch.get_autocast_dtype(device)
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None and self.w1.dtype != torch.float64:
+            return dtype
         return self.w1.dtype
 
     def _run(self, op, x, *args, ops=reference, weights=None):
@@ -82,7 +105,7 @@ class Experts(nn.Module):
         dtype, as autocast's own casts do."""
         dtype = self.compute_dtype(x)
         w1, b1, w2, b2 = (w.to(dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p())
 
     def forward(self, rows, counts, ops=reference, weights=None):

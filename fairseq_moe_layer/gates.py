@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts import autocast_off
+
 def registrar(table):
     """The decorator factory of a registry: @register(name) puts the class or function in table."""
     def register(name):
@@ -47,7 +49,7 @@ def _precision(x, fp32):
     """(dtype, context) of a gate's GEMMs: fp32 with autocast off (--moe-gate-fp32: the router's logits in fp32
     whatever the autocast), or x's dtype with autocast as it is."""
     if fp32:
-        return torch.float32, torch.autocast(x.device.type, enabled=False)
+        return torch.float32, autocast_off(x.device.type)
     return x.dtype, contextlib.nullcontext()
 
 
@@ -97,7 +99,7 @@ class CosineGate(nn.Module):
             h = F.linear(x.to(dtype), self.proj.weight.to(dtype), self.proj.bias.to(dtype))  # [T, 256]
         h = F.normalize(h.float(), dim=-1)
         scale = self.log_inv_temperature.float().clamp(max=math.log(1.0 / self.MIN_TEMPERATURE)).exp()
-        with torch.autocast(x.device.type, enabled=False):  # (the cosines in fp32 either way)
+        with autocast_off(x.device.type):  # (the cosines in fp32 either way)
             return F.linear(h, F.normalize(self.weight.float(), dim=-1)) * scale
 
 

@@ -407,11 +407,13 @@ class Soft(Policy):
         mask = None if padding_mask is None else padding_mask.reshape(x.shape[:2]).bool()  # [G, n]
         G, n, d = x.shape
         E, P = cfg.num_experts, cfg.soft_slots
-        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, layer.experts.compute_dtype(x)))
+        dtype = layer.experts.compute_dtype(x)  # autocast's where it is on
+        ops = backend.ops(backend.resolve(cfg.kernel_backend, x.device, dtype))
         logits = logits.view(G, n, E * P)
         dispatch, combine = soft_weights(logits, mask)  # [G, n, E*P], fp32
         slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*P, d]
-        rows = slots.view(G, E, P, d).transpose(0, 1).reshape(E * G * P, d)  # [E*G*P, d] sorted by expert
+        # [E*G*P, d] sorted by expert, cast before they travel (as the top-k policies' rows)
+        rows = slots.view(G, E, P, d).transpose(0, 1).reshape(E * G * P, d).to(dtype)
         counts = torch.full((E,), G * P, dtype=torch.long, device=x.device)  # [E]
         out = layer.experts(rows, counts, ops) if layer.ep is None else layer.remote(rows, counts, ops)
         out = out.view(E, G, P, d).transpose(0, 1).reshape(G, E * P, d)  # [G, E*P, d]

@@ -14,8 +14,6 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 def _skip_unless_runs(backend, dtype):
-    if dtype == torch.float16 and not torch.amp.autocast_mode.is_autocast_available("cpu"):
-        pytest.skip("no CPU autocast here")
     try:
         with torch.autocast("cpu", dtype):
             pass
@@ -93,3 +91,39 @@ def test_gate_logits_stay_fp32_under_autocast(gate, dtype):
         low, _ = layer.router_logits(x)
     assert got.dtype == low.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(low, want)  # (fp32=False does follow autocast: its GEMMs ran in dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_soft_routing_under_autocast_runs_the_experts_in_that_dtype(dtype):
+    """Soft MoE's slots go through the experts in the autocast dtype too (its einsums follow autocast themselves):
+    the experts get rows of that dtype, and the output is the fp32 layer's within that dtype's rounding."""
+    _skip_unless_runs("torch", dtype)
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(model_dim=16, ffn_dim=32, num_experts=4, routing="soft", soft_slots=2))
+    seen, forward = [], layer.experts.forward
+
+    def spy(rows, counts, ops, weights=None):
+        out = forward(rows, counts, ops, weights=weights)
+        seen.append((rows.dtype, out.dtype))
+        return out
+    layer.experts.forward = spy
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    want, _ = layer(x)
+    seen.clear()
+    with torch.autocast("cpu", dtype):
+        y, _ = layer(x)
+    assert seen == [(dtype, dtype)]
+    torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)
+    assert not torch.equal(y.float(), want)
+
+
+def test_autocast_dtype_where_there_is_none():
+    """A meta tensor's device has no autocast: the layer's helpers say off instead of raising (shape tracing)."""
+    from fairseq_moe_layer.experts import autocast_dtype, autocast_off
+
+    assert autocast_dtype("meta") is None and autocast_dtype("cpu") is None
+    with autocast_off("meta"):
+        pass
+    with torch.autocast("cpu", torch.bfloat16):
+        assert autocast_dtype("cpu") == torch.bfloat16
