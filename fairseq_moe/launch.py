@@ -102,9 +102,7 @@ def user_dir_is_this_plugin(args):
 def in_process(command, preload):
     """How a forked rank runs `command` (the rank's, with the distributed flags) in this interpreter, or None where
     it cannot (--start fork then means exec): (modules to import here first, run), run() called in the rank and
-    returning what the program would exit with. fairseq comes first where it is imported at all: this package's
-    hook then loads the plugin once fairseq is whole (inside another fairseq module's import it would patch
-    half-made modules)."""
+    returning what the program would exit with."""
     program, args = command[0], command[1:]
     if os.path.dirname(program) == os.path.dirname(os.path.abspath(sys.executable)):
         name = os.path.basename(program)
@@ -119,7 +117,7 @@ def in_process(command, preload):
                 script_folder(os.path.dirname(program))
                 sys.path.insert(0, os.path.dirname(PACKAGE_DIR))  # what fairseq's import of the --user-dir does
                 return script.load()()
-            return fairseq_first([script.module, *ALSO_PRELOADED.get(name, ()), *preload]), run_script
+            return [script.module, *ALSO_PRELOADED.get(name, ()), *preload], run_script
     if os.path.abspath(program) != os.path.abspath(sys.executable) or not args:
         return None
     first, rest = args[0], args[1:]
@@ -130,7 +128,7 @@ def in_process(command, preload):
             main = type(sys)("__main__")
             sys.modules["__main__"] = main
             exec(compile(rest[0], "<string>", "exec"), main.__dict__)
-        return fairseq_first(preload), run_code
+        return list(preload), run_code
     if first == "-m" and rest:
         import runpy
 
@@ -138,7 +136,7 @@ def in_process(command, preload):
             sys.argv = [rest[0], *rest[1:]]
             script_folder(os.getcwd())
             runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
-        return fairseq_first(preload), run_module
+        return list(preload), run_module
     if not first.startswith("-") and os.path.isfile(first):
         import runpy
 
@@ -146,12 +144,8 @@ def in_process(command, preload):
             sys.argv = [first, *rest]
             script_folder(os.path.dirname(os.path.abspath(first)))
             runpy.run_path(first, run_name="__main__")
-        return fairseq_first(preload), run_path
+        return list(preload), run_path
     return None
-
-
-def fairseq_first(modules):
-    return (["fairseq"] if any(m.split(".")[0] in ("fairseq", "fairseq_cli") for m in modules) else []) + list(modules)
 
 
 def script_folder(folder):
@@ -216,9 +210,6 @@ def fork_rank(run, env, preexec, fresh):
         preexec()
         for signum, disposition in fresh.items():
             signal.signal(signum, disposition)
-        plugin = sys.modules.get("fairseq_moe")
-        if plugin is not None and hasattr(plugin, "_AfterFairseq"):  # (the launcher's hook: not the program's)
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, plugin._AfterFairseq)]
         os.environ.clear()
         os.environ.update(env)
         if "fairseq_moe.patches" in sys.modules:  # the patches that depend on the rank (FAIRSEQ_MOE_LAUNCH_RANK)
@@ -228,6 +219,30 @@ def fork_rank(run, env, preexec, fresh):
         os._exit(1)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     raise RankExit(run())
+
+
+def preload_program(modules, asked, parser):
+    """Import the modules the ranks will fork with, in the program's order: a fairseq tool's module first, as its
+    console script does (fairseq_cli.train sets up the log format before any fairseq import, which would set
+    another). This package's hook that loads the plugin as soon as fairseq is imported is taken off first: the
+    plugin loads after them, as a rank loads it (--user-dir, once its program is whole)."""
+    plugin = sys.modules.get("fairseq_moe")
+    if plugin is not None and hasattr(plugin, "_AfterFairseq"):
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, plugin._AfterFairseq)]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            parser.error(f"--preload {module}: {err}" if module in asked else str(err))
+
+
+def load_this_plugin():
+    """The plugin loaded as a rank's `--user-dir` of this package loads it (fairseq's own import of a user dir,
+    which then skips it in the ranks), and registered."""
+    from fairseq import utils
+
+    utils.import_user_module(argparse.Namespace(user_dir=PACKAGE_DIR))
+    sys.modules["fairseq_moe"].load_plugin()
 
 
 def start_rank(cmd, env, preexec, runner, fresh):
@@ -287,13 +302,12 @@ def main(argv=None):
         modules, runner = how
         # The threads the ranks will have, before torch, numpy and OpenMP are loaded here and read it.
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except ImportError as err:
-                parser.error(f"--preload {module}: {err}" if module in args.preload else str(err))
-        if "fairseq" in sys.modules and not user_dir_is_this_plugin(commands[0][1:]):
-            runner = None  # fairseq imported here loaded the plugin, which a rank that did not name it must not get
+        preload_program(modules, args.preload, parser)
+        if "fairseq" in sys.modules:
+            if user_dir_is_this_plugin(commands[0][1:]):
+                load_this_plugin()
+            else:
+                runner = None  # (the ranks would have fairseq here without the plugin they did not name: exec them)
     # A forked rank's dispositions are a fresh interpreter's: Python's SIGINT handler, the others' defaults.
     fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
              for signum in FORWARDED if signal.getsignal(signum) != signal.SIG_IGN}
