@@ -124,6 +124,7 @@ class Experts(nn.Module):
         (the weighted sum in that dtype, as the experts' outputs are)."""
         return self._run("moe_mlp", x, token_index, weights, counts, ops=ops)
 
+
 def _take_local_slice(module, state_dict, prefix, *args):
     """Loading all E experts (a consolidated checkpoint) into a rank that holds E_l of them."""
     lo, hi = module.first_expert, module.first_expert + module.num_experts

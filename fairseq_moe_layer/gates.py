@@ -14,6 +14,7 @@ from torch import nn
 
 from .experts import autocast_off
 
+
 def registrar(table):
     """The decorator factory of a registry: @register(name) puts the class or function in table."""
     def register(name):

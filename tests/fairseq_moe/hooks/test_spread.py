@@ -168,7 +168,8 @@ def test_a_rank_killed_mid_generation_stops_the_job_with_a_line(data_bin, spread
     script.write_text(DIES)
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5",
-                          "--preload", "fairseq_cli.generate", "--", sys.executable, str(script), data_bin, "--user-dir", USER_DIR, "--path", str(spread_set),
+                          "--preload", "fairseq_cli.generate", "--", sys.executable, str(script), data_bin,
+                          "--user-dir", USER_DIR, "--path", str(spread_set),
                           *GENERATE], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=300)
     assert out.returncode != 0 and time.monotonic() - start < 120, tail(out.stderr)
