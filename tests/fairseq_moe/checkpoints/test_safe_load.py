@@ -18,7 +18,6 @@ import importlib
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import warnings
 
@@ -31,6 +30,7 @@ from fairseq_moe.checkpoints import safe_load as safe_eval
 from fairseq_moe.errors import CheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe import helpers
 from tests.fairseq_moe.helpers import USER_DIR, lm_train_argv, run_eval_lm, run_generate, run_train, train_argv, unwrapped
 
@@ -385,9 +385,9 @@ def test_payload_in_the_shared_file_of_a_set_is_refused(checkpoint_set, data_bin
 def test_fairseq_generate_cli_prints_one_error_line(state, data_bin, tmp_path, marker):
     bad = save_with_payload(state, tmp_path / "bad.pt", marker)
     cli = os.path.join(os.path.dirname(sys.executable), "fairseq-generate")
-    out = subprocess.run([cli, data_bin, "--user-dir", USER_DIR, "--path", bad, "--task", "moe_translation",
-                          "--gen-subset", "test", "--cpu"], cwd=tmp_path, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    out = warm.run([cli, data_bin, "--user-dir", USER_DIR, "--path", bad, "--task", "moe_translation",
+                    "--gen-subset", "test", "--cpu"], cwd=tmp_path, capture_output=True, text=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     last = [line for line in out.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("fairseq-generate: error:"), out.stderr[-3000:]

@@ -14,6 +14,7 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import CheckpointError
 from fairseq_moe_layer.comm import local_experts
 from fairseq_moe.reshard import main as reshard_main
+from tests.fairseq_moe import warm
 
 E = 4
 EXPERTS = {"enc.moe.experts.w1": (E, 3, 5), "enc.moe.experts.b1": (E, 5)}
@@ -282,8 +283,8 @@ def test_two_ranks_resume_a_four_rank_set_and_clean_up_only_its_files(data_bin, 
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *SGD, "--max-update", "3", "--no-save-optimizer-state",
                        "--restore-file", str(save / "checkpoint_last.pt"))]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         timeout=600)
+    out = warm.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                   timeout=600)
     assert out.returncode == 0, tail(out.stderr)
     state = shards.assemble(str(save / "checkpoint_last"))
     assert [h["num_updates"] for h in state["optimizer_history"]][-2:] == [2, 3]  # resumed at 2

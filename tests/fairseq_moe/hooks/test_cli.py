@@ -14,6 +14,7 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import (ML_ARGS, USER_DIR, binarise_toy_lm_corpus, error_lines, eval_lm_argv,  # noqa: E402
                                 lm_train_argv, parse_train, run_eval_lm, run_train, tail, train_argv)
 
@@ -98,8 +99,8 @@ def test_multilingual_task_bad_input_is_one_line(ml_data_bin, tmp_path, capsys, 
 def test_multilingual_bad_input_on_two_ranks_is_one_line_in_all(ml_data_bin, tmp_path, tool, flags, fragment):
     """On 2 ranks every rank meets the bad input: rank 0 prints the line, the other exits quietly."""
     argv = ml_train(ml_data_bin, tmp_path / "save", *flags) if tool == "fairseq-train" else ml_generate(ml_data_bin, *flags)
-    out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", tool, *argv],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    out = warm.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", tool, *argv],
+                   capture_output=True, text=True, env=ENV, timeout=600)
     errors = error_lines(out.stderr)
     assert out.returncode == 2 and len(errors) == 1 and fragment in errors[0], tail(out.stderr)
     assert "Traceback" not in out.stderr
@@ -209,9 +210,9 @@ def test_eval_lm_context_window_on_ranks_is_one_process(tmp_path_factory, W):
     small = ("--max-tokens", "60", "--num-workers", "0")
     one = float(run_eval_lm(data, path, *small, "--context-window", "8")["loss"])
     assert one != pytest.approx(float(run_eval_lm(data, path, *small)["loss"]), abs=1e-3)
-    out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", "fairseq-eval-lm",
-                          *eval_lm_argv(data, path, *small, "--context-window", "8")],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    out = warm.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", "fairseq-eval-lm",
+                    *eval_lm_argv(data, path, *small, "--context-window", "8")],
+                   capture_output=True, text=True, env=ENV, timeout=600)
     lines = [line for line in out.stderr.splitlines() if "Loss (base 2):" in line]
     assert out.returncode == 0 and len(lines) == 1, tail(out.stderr)
     assert float(lines[0].split("Loss (base 2): ")[1].split(",")[0]) == pytest.approx(one, abs=1e-4)

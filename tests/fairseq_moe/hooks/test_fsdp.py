@@ -19,6 +19,7 @@ from torch import nn
 
 from fairseq_moe import reshard
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import (USER_DIR, assert_same_params, error_lines, run_generate, run_train, tail,
                                        train_argv)
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, Launched, finish, launch
@@ -197,9 +198,9 @@ def assert_validates_as_one_process(data_bin, folder, updates, *extra):
     loss, the MoE metrics, the BLEU). Returns the one process's validations."""
     argv = (*VALIDATING, "--max-update", str(updates), *extra)
     sharded = launch(2, folder / "fsdp", *train_argv(data_bin, folder / "fsdp", *argv, *FSDP))
-    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                          *train_argv(data_bin, folder / "one", *argv, *CLIP, "--update-freq", "2")],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    one = warm.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                    *train_argv(data_bin, folder / "one", *argv, *CLIP, "--update-freq", "2")],
+                   capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert one.returncode == 0, tail(one.stderr)
     fsdp = finish(sharded)
     assert sharded_line(fsdp.stdout + fsdp.stderr, 2)[2] == 5  # (each of the 4 layers a unit)

@@ -4,11 +4,11 @@ generates on 2 and on 4 ranks (cut on load; 4: one expert per rank, and a rank w
 hash-routed single file on 2. Beam search runs a different number of steps on each rank, and every rank leaves
 together. --eval-bleu in training on 2 ranks gives one process's BLEU."""
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_train, tail, train_argv
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, launch, finish
 
@@ -21,8 +21,8 @@ def generate(data_bin, path, W, *extra):
     cmd = argv if W == 1 else [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", *argv]
     if W == 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), *argv[1:]]
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=600)
+    return warm.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    timeout=600)
 
 
 def sentences(stdout):
@@ -112,9 +112,9 @@ def test_eval_bleu_on_two_ranks_is_the_bleu_of_one_process(data_bin, tmp_path):
     many = launch(2, tmp_path / "many", *train_argv(data_bin, tmp_path / "many", *BLEU_RUN))
     sharded = launch(2, tmp_path / "fsdp", *train_argv(data_bin, tmp_path / "fsdp", *BLEU_RUN, "--ddp-backend",
                                                        "fully_sharded", "--min-params-to-wrap", "0"))
-    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
-                          *train_argv(data_bin, tmp_path / "one", *BLEU_RUN, "--update-freq", "2")],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    one = warm.run([os.path.join(os.path.dirname(sys.executable), "fairseq-train"),
+                    *train_argv(data_bin, tmp_path / "one", *BLEU_RUN, "--update-freq", "2")],
+                   capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert one.returncode == 0, tail(one.stderr)
     out, fsdp = finish(many), finish(sharded)
     bleus = valid_bleus(one.stdout + one.stderr)
@@ -167,11 +167,11 @@ def test_a_rank_killed_mid_generation_stops_the_job_with_a_line(data_bin, spread
     script = tmp_path / "dies.py"
     script.write_text(DIES)
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5",
-                          "--preload", "fairseq_cli.generate", "--", sys.executable, str(script), data_bin,
-                          "--user-dir", USER_DIR, "--path", str(spread_set),
-                          *GENERATE], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         timeout=300)
+    out = warm.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--grace-seconds", "5",
+                    "--preload", "fairseq_cli.generate", "--", sys.executable, str(script), data_bin,
+                    "--user-dir", USER_DIR, "--path", str(spread_set),
+                    *GENERATE], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                   timeout=300)
     assert out.returncode != 0 and time.monotonic() - start < 120, tail(out.stderr)
     assert "rank 1 of 2 ended with signal SIGKILL" in out.stderr, tail(out.stderr)
 
@@ -185,10 +185,10 @@ def test_interactive_on_two_ranks_prints_what_one_process_prints(data_bin, sprea
             "moe_translation", "--source-lang", "src", "--target-lang", "tgt", "--beam", "4", "--cpu",
             "--buffer-size", "2", "--batch-size", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]], input=text,
-                         capture_output=True, text=True, env=env, timeout=600)
-    many = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", *argv], input=text,
-                          capture_output=True, text=True, env=env, timeout=600)
+    one = warm.run([os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]], input=text,
+                   capture_output=True, text=True, env=env, timeout=600)
+    many = warm.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", *argv], input=text,
+                    capture_output=True, text=True, env=env, timeout=600)
     assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
 
     def lines(out):

@@ -17,6 +17,7 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import tail, train_argv
 
 W = 2
@@ -28,7 +29,7 @@ def launch(data_bin, save_dir, *extra, **popen):
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--",
            "fairseq-train", *train_argv(data_bin, save_dir, *ARGS, *extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return warm.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def losses(log):

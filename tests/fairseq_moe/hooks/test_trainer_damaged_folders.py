@@ -18,6 +18,7 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import CheckpointError, MissingCheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_generate, run_train, tail, train_argv
 
 ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")
@@ -148,8 +149,8 @@ def test_another_expert_count_is_named(data_bin, trained_checkpoint, tmp_path):
 def launch_2(data_bin, save, *extra):
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *train_argv(data_bin, save, *extra)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=600)
+    return warm.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    timeout=600)
 
 
 @pytest.mark.slow
@@ -223,8 +224,8 @@ def launch_w(W, data_bin, save, *extra, fault=None, victim=None, script=None):
         preload = ["--preload", "fairseq_cli.train", "--preload", "torch._dynamo"]  # (imported once, not per rank)
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--grace-seconds", "5", *preload, "--",
            *program, *train_argv(data_bin, save, *extra)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=600)
+    return warm.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    timeout=600)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
+from tests.fairseq_moe import warm
 from tests.conftest import free_port
 from tests.fairseq_moe.helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 
@@ -28,8 +29,8 @@ COMMON = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9",
 def launch(world_size, save_dir, *argv):
     """python -m fairseq_moe.launch --nproc W -- fairseq-train ...: the Popen, started."""
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(world_size), "--", "fairseq-train", *argv]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return warm.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def finish(proc):

@@ -18,6 +18,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.models.moe_ffn import moe_blocks
 
+from tests.fairseq_moe import warm
 from tests.fairseq_moe.helpers import assert_same_params, build, eval_lm_argv, lm_train_argv, parse_train, run_eval_lm, run_train
 
 # Dropless at eval (fraction 0): a token's output does not depend on the batch it is evaluated in,
@@ -34,8 +35,10 @@ def tokens(model, seed=0):
     return x
 
 
-def test_one_expert_equals_the_dense_lm(lm_data_bin, tmp_path):
-    """E=1, k=1, dropless: the MoE block is fc2(relu(fc1(x))) with the dense LM's weights, exactly."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_expert_equals_the_dense_lm(lm_data_bin, tmp_path, dtype):
+    """E=1, k=1, dropless: the MoE block is fc2(relu(fc1(x))) with the dense LM's weights, exactly (in fp32); in
+    bf16 (--bf16's model: the router fp32, the expert bf16) within bf16's rounding of fairseq's dense bf16 LM."""
     common = ("--decoder-moe-freq", "1", "--moe-expert-count", "1", "--moe-top-k", "1",
               "--moe-capacity-factor", "0", "--dropout", "0")
     _, moe, _, _ = build(lm_train_argv(lm_data_bin, tmp_path, *common))
@@ -61,10 +64,14 @@ def test_one_expert_equals_the_dense_lm(lm_data_bin, tmp_path):
         state[p + "fc1.moe.experts.b2"] = state.pop(p + "fc2.bias")[None]
         state[p + "fc1.moe.gate.weight"] = moe.state_dict()[p + "fc1.moe.gate.weight"]
     moe.load_state_dict(state)  # strict: every parameter of the MoE LM is accounted for
+    moe.to(dtype), dense.to(dtype)
     x = tokens(dense)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for train in (True, False):
         moe.train(train), dense.train(train)
-        torch.testing.assert_close(moe(x)[0], dense(x)[0], rtol=1e-5, atol=1e-5)
+        y = moe(x)[0]
+        assert y.dtype == dtype
+        torch.testing.assert_close(y, dense(x)[0], rtol=tol, atol=tol)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +170,8 @@ def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, ex
     many = tmp_path / "many"
     cmd = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
            *lm_train_argv(lm_data_bin, many, *TWO_RANKS, *extra)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = warm.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
     a = request.getfixturevalue("one_process_lm")  # trained here (once) while the ranks run
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -176,9 +183,9 @@ def test_two_ranks_equal_one_and_eval_lm_reads_the_set(lm_data_bin, tmp_path, ex
     assert float(result["loss"]) == pytest.approx(b["extra_state"]["val_loss"], abs=ROUNDED)
     if not extra:  # fairseq-eval-lm on the 2 ranks, the experts spread (spread.py): the loss of the whole set
         small = run_eval_lm(lm_data_bin, many / "checkpoint_last-shared.pt", "--max-tokens", "60")
-        out = subprocess.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-eval-lm",
-                              *eval_lm_argv(lm_data_bin, many / "checkpoint_last.pt"), "--max-tokens", "60"],
-                             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+        out = warm.run([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-eval-lm",
+                        *eval_lm_argv(lm_data_bin, many / "checkpoint_last.pt"), "--max-tokens", "60"],
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
         lines = [line for line in out.stderr.splitlines() if "Loss (base 2):" in line]
         assert out.returncode == 0 and len(lines) == 1, out.stderr[-3000:]
         loss = float(lines[0].split("Loss (base 2): ")[1].split(",")[0])

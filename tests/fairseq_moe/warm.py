@@ -1,0 +1,388 @@
+"""The tests' commands started warm: `run` and `Popen` stand in for subprocess's, and where a command's start-up
+is known (a fairseq console script of this environment with `--user-dir` naming this plugin, alone or under
+`python -m fairseq_moe.launch` forking its ranks) it is forked from a server process that has already imported what
+that command imports first, in the same order (fairseq_moe.launch's own preload: the tool's module, torch._dynamo
+for fairseq-train, then the plugin through fairseq's import of the --user-dir). A cold start costs 6-8 s of CPU
+(torch, fairseq, the plugin) on this project's 2-core machines; the suite starts about a hundred of them.
+
+The forked command is the process a cold start would be, past its imports: its own pid (signals, process groups and
+exit statuses as subprocess gives them: start_new_session makes it a group leader), the argv, sys.path[0],
+environment, working directory, stdin/stdout/stderr and signal dispositions a cold start has, the plugin's patches
+applied again for its environment, and the end of a program started alone (fairseq_moe.launch.fork_rank, as the
+launcher forks a rank). What the server's imports printed is written to the command's stdout and stderr first.
+
+A server is started per (imports, environment), where the environment is the command's apart from RUNTIME_ENV, the
+variables read only after start-up (OMP_NUM_THREADS is read when torch is imported: its value is part of the key).
+Anything else (python -c, other modules, a plugin not named, cwd or env variants the key cannot hold) runs cold,
+through subprocess itself; so does everything with FAIRSEQ_MOE_TESTS_COLD=1 in the environment, to compare.
+"""
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from fairseq_moe import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Read after the start-up by the programs the server runs (the launcher's rendezvous, the rank, pytest's own note).
+RUNTIME_ENV = frozenset({"PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                         "LOCAL_WORLD_SIZE", "FAIRSEQ_MOE_LAUNCH_RANK"})
+START_SECONDS = 300  # for a server's imports, on a busy machine
+
+
+def _launcher_options(args):
+    """(nproc, --start, --preload modules, the command after --) of `python -m fairseq_moe.launch ARGS`, or None where
+    the options are not the plain ones."""
+    if "--" not in args:
+        return None
+    cut = args.index("--")
+    options, command = args[:cut], args[cut + 1:]
+    nproc, start, preload, i = None, "fork", [], 0
+    while i < len(options):
+        flag, value = (options[i].split("=", 1) + [None])[:2] if options[i].startswith("--") else (options[i], None)
+        if value is None:
+            if i + 1 >= len(options):
+                return None
+            value, i = options[i + 1], i + 1
+        if flag == "--nproc":
+            nproc = int(value)
+        elif flag == "--start":
+            start = value
+        elif flag == "--preload":
+            preload.append(value)
+        elif flag not in ("--port", "--threads", "--grace-seconds"):
+            return None
+        i += 1
+    return (nproc, start, preload, command) if nproc and nproc > 0 and command else None
+
+
+def _names_this_plugin(args):
+    """Whether args' --user-dir is this package's folder, given as an absolute path (a relative one is resolved
+    against the command's working directory, by fairseq: such commands run cold)."""
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--user-dir"]
+    values += [a.split("=", 1)[1] for a in args if a.startswith("--user-dir=")]
+    return bool(values) and all(os.path.isabs(v) for v in values) and launch.user_dir_is_this_plugin(args)
+
+
+def _tool(program):
+    return os.path.basename(program).startswith("fairseq-") or program == sys.executable
+
+
+def plan(cmd, env):
+    """(the modules the command imports first, the environment its server starts with), or None: run it cold."""
+    if os.environ.get("FAIRSEQ_MOE_TESTS_COLD") or not isinstance(cmd, (list, tuple)) or not cmd:
+        return None
+    cmd = [str(c) for c in cmd]
+    if cmd[1:3] == ["-m", "fairseq_moe.launch"] and cmd[0] == sys.executable:
+        options = _launcher_options(cmd[3:])
+        if options is None or options[1] != "fork":
+            return None
+        nproc, _, preload, command = options
+        try:
+            rank = launch.rank_command(command, nproc)
+        except ValueError:
+            return None
+        how = launch.in_process(rank, preload)
+        # (what the launcher forks; a rank with nothing to import first gains nothing here)
+        if how is None or not how[0] or not _tool(rank[0]) or not _names_this_plugin(rank[1:]):
+            return None
+        if "OMP_NUM_THREADS" not in env:  # what the launcher sets before its imports (--threads: cold)
+            if any(a.startswith("--threads") for a in cmd[3:cmd.index("--")]):
+                return None
+            env = dict(env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+        return tuple(how[0]), dict(env)
+    how = launch.in_process(cmd, [])
+    if how is None or not how[0] or not _tool(cmd[0]) or not _names_this_plugin(cmd[1:]):
+        return None
+    return tuple(how[0]), dict(env)
+
+
+class Server:
+    """A process that has imported `modules` and forks the commands sent to it (serve)."""
+
+    def __init__(self, modules, env):
+        self.folder = tempfile.mkdtemp(prefix="warm-")
+        self.path = os.path.join(self.folder, "socket")
+        self.log = open(os.path.join(self.folder, "log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fairseq_moe.warm", self.path, *modules], cwd=ROOT,
+                                     env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=launch.die_with(os.getpid()))
+        self.ready = False
+
+    def connect(self):
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(self.path)
+                self.ready = True
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    raise RuntimeError(f"the warm server for {self.proc.args[3:]} did not start:\n{self.log.read()}")
+                time.sleep(0.05)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+_SERVERS = {}
+
+
+def _server(modules, env):
+    key = (modules, frozenset((k, v) for k, v in env.items() if k not in RUNTIME_ENV))
+    if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:
+        _SERVERS[key] = Server(modules, {k: v for k, v in env.items() if k not in RUNTIME_ENV})
+    return _SERVERS[key]
+
+
+@atexit.register
+def _close_servers():
+    for server in _SERVERS.values():
+        server.close()
+
+
+def _fd(spec, default, pipes, reading):
+    """The fd a child gets for stdin/stdout/stderr `spec`, noting a pipe's other end in pipes."""
+    if spec is None:
+        return os.dup(default)
+    if spec == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDONLY if reading else os.O_WRONLY)
+    if spec == subprocess.PIPE:
+        r, w = os.pipe()
+        pipes.append(w if reading else r)
+        return r if reading else w
+    return os.dup(spec if isinstance(spec, int) else spec.fileno())
+
+
+class WarmPopen:
+    """What subprocess.Popen gives the tests (pid, poll, wait, communicate, send_signal, kill, returncode, the
+    pipes), for a command forked by a Server."""
+
+    def __init__(self, server, args, stdin=None, stdout=None, stderr=None, text=False, env=None, cwd=None,
+                 start_new_session=False):
+        self.args, self.returncode = args, None
+        ends = []
+        fds = [_fd(stdin, 0, ends, True), _fd(stdout, 1, ends, False)]
+        fds.append(os.dup(fds[1]) if stderr == subprocess.STDOUT else _fd(stderr, 2, ends, False))
+        mode = "" if text else "b"
+        files = iter(ends)
+        self.stdin = open(next(files), "w" + mode) if stdin == subprocess.PIPE else None
+        self.stdout = open(next(files), "r" + mode) if stdout == subprocess.PIPE else None
+        self.stderr = open(next(files), "r" + mode) if stderr == subprocess.PIPE else None
+        request = dict(argv=[str(a) for a in args], env=dict(os.environ if env is None else env),
+                       cwd=os.path.abspath(cwd or os.getcwd()), session=bool(start_new_session))
+        try:
+            self._sock = server.connect()
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        reply = self._sock.recv(1 << 16)
+        if not reply:
+            raise RuntimeError(f"the warm server did not start {args}")
+        self.pid = json.loads(reply)["pid"]
+        self._readers = None
+
+    def poll(self):
+        if self.returncode is None and select.select([self._sock], [], [], 0)[0]:
+            self._read_status()
+        return self.returncode
+
+    def _read_status(self):
+        reply = self._sock.recv(1 << 16)
+        self.returncode = json.loads(reply)["returncode"] if reply else -signal.SIGKILL  # (the server died)
+        self._sock.close()
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            if not select.select([self._sock], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read_status()
+        return self.returncode
+
+    def communicate(self, input=None, timeout=None):
+        if self._readers is None:
+            self._out = {}
+
+            def read(name, stream):
+                self._out[name] = stream.read()
+                stream.close()
+
+            def write():
+                try:
+                    if input:
+                        self.stdin.write(input)
+                    self.stdin.close()
+                except BrokenPipeError:
+                    pass
+            self._readers = [threading.Thread(target=read, args=(name, stream), daemon=True)
+                             for name, stream in (("stdout", self.stdout), ("stderr", self.stderr)) if stream]
+            if self.stdin is not None:
+                self._readers.append(threading.Thread(target=write, daemon=True))
+            for thread in self._readers:
+                thread.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._readers:
+            thread.join(None if deadline is None else max(0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0, deadline - time.monotonic()))
+        return self._out.get("stdout"), self._out.get("stderr")
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for stream in (self.stdout, self.stderr, self.stdin):
+            if stream is not None and self._readers is None:
+                stream.close()
+        self.wait()
+
+
+_WARM_KEYWORDS = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
+
+
+def Popen(args, **kwargs):
+    """subprocess.Popen(args, **kwargs), warm where plan() knows the command."""
+    how = plan(args, dict(os.environ if kwargs.get("env") is None else kwargs["env"]))
+    if how is None or set(kwargs) - _WARM_KEYWORDS:
+        return subprocess.Popen(args, **kwargs)
+    return WarmPopen(_server(*how), args, **kwargs)
+
+
+def run(args, input=None, capture_output=False, timeout=None, check=False, **kwargs):
+    """subprocess.run(...), warm where plan() knows the command."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    with Popen(args, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+# The server.
+
+def serve(path, modules):
+    """Import `modules` as fairseq_moe.launch does before it forks, then fork every command sent to `path`."""
+    parser = type("Parser", (), {"error": staticmethod(lambda message: sys.exit(f"warm server: {message}"))})
+    start_out, start_err = _capture_start(lambda: _preload(modules, parser))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # (a client connects only once it is listening)
+    children = {}
+    parent = os.getppid()
+    while os.getppid() == parent:
+        ready = select.select([listener], [], [], 0.05)[0]
+        if ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+            request = json.loads(message)
+            child = _fork(request, fds, [listener, conn, *children.values()], start_out, start_err)
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"pid": child.pid}).encode())
+            children[child.pid] = conn
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn = children.pop(pid)
+                try:
+                    conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:
+                    pass  # (the test went away)
+                conn.close()
+
+
+def _preload(modules, parser):
+    launch.preload_program(modules, [], parser)
+    if "fairseq" in sys.modules:
+        launch.load_this_plugin()
+
+
+def _capture_start(work):
+    """Run work() with this process's stdout and stderr (fds 1, 2) going to files; -> what they got (bytes)."""
+    saved, files = [os.dup(1), os.dup(2)], [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, file in zip((1, 2), files):
+        os.dup2(file.fileno(), fd)
+    try:
+        work()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+    out = []
+    for file in files:
+        file.seek(0)
+        out.append(file.read())
+        file.close()
+    return out
+
+
+def _fork(request, fds, sockets, start_out, start_err):
+    """Fork the command of `request` with fds as its stdin, stdout and stderr."""
+    how = launch.in_process(request["argv"], [])
+    if how is None:
+        raise RuntimeError(f"warm server: cannot run {request['argv']}")
+    parent = os.getpid()
+
+    def preexec():
+        launch.die_with(parent)()
+        for fd, target in zip(fds, (0, 1, 2)):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        for sock in sockets:
+            sock.close()
+        if request["session"]:
+            os.setsid()
+        os.chdir(request["cwd"])
+        for fd, text in ((1, start_out), (2, start_err)):
+            if text:
+                os.write(fd, text)
+        if request["argv"][1:2] == ["-m"]:  # (a cold `python -m MODULE` has not imported MODULE before it runs it)
+            sys.modules.pop(request["argv"][2], None)
+
+    fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+             for signum in launch.FORWARDED}
+    return launch.fork_rank(how[1], request["env"], preexec, fresh)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2:])
