@@ -18,6 +18,7 @@ through subprocess itself; so does everything with FAIRSEQ_MOE_TESTS_COLD=1 in t
 """
 import atexit
 import json
+import logging
 import os
 import select
 import signal
@@ -76,7 +77,8 @@ def _tool(program):
 
 
 def plan(cmd, env):
-    """(the modules the command imports first, the environment its server starts with), or None: run it cold."""
+    """(how it starts: "launch" or "alone", then the modules it imports first; the environment its server starts
+    with), or None: run it cold."""
     if os.environ.get("FAIRSEQ_MOE_TESTS_COLD") or not isinstance(cmd, (list, tuple)) or not cmd:
         return None
     cmd = [str(c) for c in cmd]
@@ -97,11 +99,11 @@ def plan(cmd, env):
             if any(a.startswith("--threads") for a in cmd[3:cmd.index("--")]):
                 return None
             env = dict(env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-        return tuple(how[0]), dict(env)
+        return ("launch", *how[0]), dict(env)
     how = launch.in_process(cmd, [])
     if how is None or not how[0] or not _tool(cmd[0]) or not _names_this_plugin(cmd[1:]):
         return None
-    return tuple(how[0]), dict(env)
+    return ("alone", *how[0]), dict(env)
 
 
 class Server:
@@ -294,10 +296,10 @@ def run(args, input=None, capture_output=False, timeout=None, check=False, **kwa
 
 # The server.
 
-def serve(path, modules):
+def serve(path, start, modules):
     """Import `modules` as fairseq_moe.launch does before it forks, then fork every command sent to `path`."""
     parser = type("Parser", (), {"error": staticmethod(lambda message: sys.exit(f"warm server: {message}"))})
-    start_out, start_err = _capture_start(lambda: _preload(modules, parser))
+    start_out, start_err = _capture_start(lambda: _preload(start, modules, parser))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".new")
     listener.listen(64)
@@ -326,10 +328,23 @@ def serve(path, modules):
                 conn.close()
 
 
-def _preload(modules, parser):
+def _preload(start, modules, parser):
     launch.preload_program(modules, [], parser)
     if "fairseq" in sys.modules:
+        # fairseq notes that the plugin is imported already (this module imported fairseq_moe.launch, as the
+        # launcher has): a fairseq tool started alone imports it first, in its parse of --user-dir.
+        quiet = start == "alone" and _AlreadyImported()
+        logger = logging.getLogger("fairseq.utils")
+        if quiet:
+            logger.addFilter(quiet)
         launch.load_this_plugin()
+        if quiet:
+            logger.removeFilter(quiet)
+
+
+class _AlreadyImported:
+    def filter(self, record):
+        return not str(record.msg).endswith("has already been imported.")
 
 
 def _capture_start(work):
@@ -361,8 +376,10 @@ def _fork(request, fds, sockets, start_out, start_err):
     if how is None:
         raise RuntimeError(f"warm server: cannot run {request['argv']}")
     parent = os.getpid()
+    started, ready = os.pipe()  # (the pid is told once the child is set up, as Popen returns after exec)
 
     def preexec():
+        os.close(started)
         launch.die_with(parent)()
         for fd, target in zip(fds, (0, 1, 2)):
             os.dup2(fd, target)
@@ -374,15 +391,20 @@ def _fork(request, fds, sockets, start_out, start_err):
             os.setsid()
         os.chdir(request["cwd"])
         for fd, text in ((1, start_out), (2, start_err)):
-            if text:
-                os.write(fd, text)
+            while text:
+                text = text[os.write(fd, text):]
         if request["argv"][1:2] == ["-m"]:  # (a cold `python -m MODULE` has not imported MODULE before it runs it)
             sys.modules.pop(request["argv"][2], None)
+        os.close(ready)
 
     fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
              for signum in launch.FORWARDED}
-    return launch.fork_rank(how[1], request["env"], preexec, fresh)
+    child = launch.fork_rank(how[1], request["env"], preexec, fresh)
+    os.close(ready)
+    os.read(started, 1)  # (EOF: the child closed its end, or died setting up)
+    os.close(started)
+    return child
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2:])
+    serve(sys.argv[1], sys.argv[2], sys.argv[3:])
