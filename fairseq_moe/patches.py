@@ -34,6 +34,8 @@ _EVAL_WHY = ("fairseq eval()s configuration strings, some read from checkpoints:
              "only, so no checkpoint string can run code (checkpoints/safe_load.py)")
 _CLI_WHY = ("a FlagError or CheckpointError is one line `PROG: error: ...` and exit code 2, once (a SaveError: exit "
             "code 1; cli.py)")
+_BF16_WHY = ("fairseq 0.12 makes --bf16 imply --tpu (XLA): --bf16 without --tpu on the command line is bfloat16 on "
+             "the CPU or CUDA, the device checked first")
 _TRAINER = "fairseq.trainer:Trainer"
 _CKPT = "fairseq.checkpoint_utils"
 
@@ -154,6 +156,18 @@ PATCHES = (
           "on several ranks every rank translates the same input: rank 0 alone prints it"),
     Patch("fairseq_cli.generate", "StopwatchMeter", "fairseq_moe.hooks.spread:stopwatch",
           "generate divides by the time it spent translating: 0 on a rank whose shard is empty", scoped=True),
+    # --bf16 on the device at hand (bf16.py)
+    *(Patch(f"fairseq_cli.{tool}", "convert_namespace_to_omegaconf", f"fairseq_moe.hooks.bf16:{hook}",
+            _BF16_WHY + " (the tools' own parse, during which fairseq imports the plugin)" + why, wraps=True)
+      for tool, hook, why in (*((t, "settled_config", "") for t in ("train", "generate", "interactive", "eval_lm")),
+                              ("validate", "settled_validate_config", "; fairseq-validate refuses it: it casts its "
+                               "models for --fp16 only"))),
+    Patch("fairseq.options", "parse_args_and_arch", "fairseq_moe.hooks.bf16:settled_parse",
+          _BF16_WHY + " (every parse after the plugin's import)", wraps=True),
+    Patch("fairseq.models.fairseq_model:BaseFairseqModel", "prepare_for_inference_",
+          "fairseq_moe.hooks.bf16:cast_for_inference",
+          "fairseq's generate, interactive and eval-lm cast their models for --fp16 only: --bf16 casts them to "
+          "bfloat16 (the hub interface's too, with bf16 in its config)", wraps=True),
     # Bad input is one line (cli.py)
     *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.hooks.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),

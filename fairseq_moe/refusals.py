@@ -105,7 +105,8 @@ _FSDP_REFUSED = (
      "the EMA copy would be a whole, unsharded model on every rank", {"store_ema": True}),
     ("--fp16", lambda c: bool(c.flag("fp16", False)) and not c.flag("memory_efficient_fp16", False),
      "a flat fp32 copy of sharded parameters is not built; add --memory-efficient-fp16", {"fp16": True}),
-    ("--bf16", lambda c: bool(c.flag("bf16", False)), "fairseq 0.12's --bf16 runs on XLA", {"bf16": True}),
+    ("--bf16", lambda c: bool(c.flag("bf16", False)) and not c.flag("memory_efficient_bf16", False),
+     "fp32 master copies of sharded parameters are not built; add --memory-efficient-bf16", {"bf16": True}),
     ("--amp", lambda c: bool(c.flag("amp", False)),
      "torch's GradScaler unscales a device's gradients in one call, which cannot mix the sharded ones with the "
      "experts'", {"amp": True}),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fairseq_moe_layer import malloc
 from fairseq_moe_layer.comm import local_experts
 
+from . import bf16
 from .. import patches, refusals
 from ..checkpoints import commit, safe_load
 from ..checkpoints import sets as shards
@@ -189,6 +190,7 @@ def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
                                                criterion=criterion, task=cfg.get("task"),
                                                moe_task=getattr(task, "moves_routing_biases", False)))
     keep_freed_memory_if_asked(cfg)
+    bf16.check_trainer(cfg)
     patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
 
