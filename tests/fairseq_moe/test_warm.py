@@ -56,7 +56,7 @@ def _logless(text):
 @pytest.mark.slow
 def test_a_warm_command_is_the_cold_one(data_bin, tmp_path):
     """fairseq-generate refusing a checkpoint that does not exist: the same exit status, stdout and stderr
-    (the log's timestamps and the ranks' interleaving aside), alone and on 2 ranks, warm and cold; warm, it is forked by its server."""
+    (the log's timestamps and the ranks' interleaving aside), alone and on 2 ranks, warm and cold."""
     argv = ["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "none.pt"), "--task",
             "moe_translation", "--gen-subset", "test", "--cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
