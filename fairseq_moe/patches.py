@@ -168,6 +168,9 @@ PATCHES = (
           "fairseq_moe.hooks.bf16:cast_for_inference",
           "fairseq's generate, interactive and eval-lm cast their models for --fp16 only: --bf16 casts them to "
           "bfloat16 (the hub interface's too, with bf16 in its config)", wraps=True),
+    Patch("fairseq.hub_utils", "from_pretrained", "fairseq_moe.hooks.bf16:bf16_when_asked",
+          "a checkpoint trained with --bf16 loads in fp32 through the hub unless bf16=True is passed, as an --fp16 "
+          "one does unless fp16=True is", wraps=True),
     # Bad input is one line (cli.py)
     *(Patch(f"fairseq_cli.{tool}", "main", "fairseq_moe.hooks.cli:one_line_errors", _CLI_WHY, wraps=True)
       for tool in ("train", "generate", "interactive", "eval_lm", "validate")),

@@ -169,6 +169,12 @@ REFUSALS = (
             "GradScaler.step skips the step on the ranks whose own gradients hold an inf, and fairseq retries the "
             "batch on all",
             {"spread": True, "flags": {"amp": True}}),
+    Refusal("AMP over bf16 weights", ("--amp", "--bf16"), "start",
+            lambda c: bool(c.flag("amp", False)) and bool(c.flag("bf16", False)) and not c.flag("tpu", False),
+            "--amp cannot be combined with --bf16: fairseq casts the model to bf16 first, then AMP would step the bf16 "
+            "weights without fp32 master copies (and enter fp16 autocast over them on CUDA); use --bf16 alone",
+            "--bf16 trains through fairseq's FP16Optimizer (fp32 master weights, no loss scaler); AMP keeps fp32 "
+            "weights and scales fp16 gradients", {"flags": {"amp": True, "bf16": True}}),
     Refusal("asynchronous checkpoint writes with spread experts", ("--write-checkpoints-asynchronously",),
             "start", lambda c: c.spread and bool(c.flag("write_checkpoints_asynchronously", False)),
             "--write-checkpoints-asynchronously is not supported with experts spread over ranks: a set's files "

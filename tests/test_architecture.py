@@ -198,7 +198,7 @@ def test_the_checker_sees_an_upward_import_a_circle_and_a_borrowing_command(scra
 
 # Test files that are about the repository as a whole rather than one module: this file (docs/architecture.md),
 # the shipped hydra configs (configs/, tested with the glue's toy corpora), the docs' links (docs/), the suite's
-# own warm starts of fairseq commands (tests/fairseq_moe/warm.py).
+# own warm starts of fairseq commands (tests/warm.py).
 WHOLE = {"tests/test_architecture.py", "tests/fairseq_moe/test_configs.py", "tests/test_docs.py",
          "tests/fairseq_moe/test_warm.py"}
 

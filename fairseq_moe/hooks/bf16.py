@@ -4,16 +4,18 @@ fairseq 0.12's parse_args_and_arch sets args.tpu whenever --bf16 is given, so `f
 torch_xla for a device and dies. Once fairseq's parse has returned, `settle` takes that back unless --tpu is in the
 command line itself; then fairseq's Trainer runs bf16 where it is: the model and the criterion cast to bfloat16,
 FP16Optimizer (fp32 master weights and optimizer state) or MemoryEfficientFP16Optimizer (fp32 optimizer state),
-no loss scaler. The plugin is imported during the tools' own parse, so the tools' next step, their
-convert_namespace_to_omegaconf, settles their flags (`settled_config`); later parses (tests, scripts,
-fairseq-validate's second parse) are settled as they return (`settled_parse`). The device is checked at the same
+no loss scaler. fairseq's tools import the plugin as they build their parser (options.get_parser reads
+--user-dir first), so their parse_args_and_arch is settled as it returns (`settled_parse`); their next step,
+convert_namespace_to_omegaconf, settles a parse the plugin did not see (`settled_config`: a program that called
+parse_args_and_arch before the plugin was loaded). The device is checked at the same
 moment, before any work, and again when the Trainer is built (fairseq-hydra-train's common.bf16): a CUDA device
 without native bf16 is one line `PROG: error: --bf16 ...` (exit 2), and a CPU without the instructions PyTorch's
 oneDNN runs bf16 matrix products with is one warning line (they then run in a slow fallback: on an AVX2-only CPU
 50 to 130 times slower than fp32 for large products), and the run goes on.
 fairseq's generate, interactive and eval-lm cast a model for --fp16 only (model.half()): `cast_for_inference` makes
 --bf16 cast it to bfloat16 in prepare_for_inference_, which they (and the hub interface) call on every model;
-fairseq-validate calls no such hook, and refuses --bf16 (one line). patches.py installs them.
+fairseq-validate calls no such hook, and refuses --bf16 (one line). Through the hub, a checkpoint trained with
+--bf16 loads in fp32 unless bf16=True is passed (`bf16_when_asked`), as an --fp16 one does. patches.py installs them.
 """
 import argparse
 import functools
@@ -32,13 +34,12 @@ _warned = []  # the CPU warning, once per process
 
 
 def typed_tpu(argv):
-    """Whether --tpu is in the command line argv (as argparse reads it: an unambiguous prefix counts, nothing after
-    a bare --)."""
+    """Whether --tpu is in the command line argv (as fairseq's parsers read it: whole, since they take no
+    abbreviations; nothing after a bare --)."""
     for arg in argv or ():
         if arg == "--":
             return False
-        name = str(arg).split("=", 1)[0]
-        if len(name) >= 4 and "--tpu".startswith(name):
+        if str(arg).split("=", 1)[0] == "--tpu":
             return True
     return False
 
@@ -139,12 +140,27 @@ def settled_parse(parse):
 
 def cast_for_inference(prepare):
     """BaseFairseqModel.prepare_for_inference_(cfg): with cfg.common.bf16 (not on XLA) the model is cast to
-    bfloat16 first, as the tools cast it to fp16 for --fp16."""
+    bfloat16 first, as the tools cast it to fp16 for --fp16; the device checked as at a parse (the hub has none)."""
     @functools.wraps(prepare)
     def wrapped(self, cfg, *rest, **kwargs):
         common = getattr(cfg, "common", None)
         if getattr(common, "bf16", False) and not getattr(common, "tpu", False) and not getattr(common, "fp16", False):
+            check_device(common)
             self.to(dtype=torch.bfloat16)
         return prepare(self, cfg, *rest, **kwargs)
+
+    return wrapped
+
+
+def bf16_when_asked(from_pretrained):
+    """fairseq.hub_utils.from_pretrained: a checkpoint trained with --bf16 loads in fp32 unless bf16=True (or
+    memory_efficient_bf16=True) is passed, as one trained with --fp16 loads in fp32 unless fp16=True is."""
+    @functools.wraps(from_pretrained)
+    def wrapped(*args, **kwargs):
+        loaded = from_pretrained(*args, **kwargs)
+        common = getattr(loaded.get("args"), "common", None)
+        if getattr(common, "bf16", False) and not (kwargs.get("bf16") or kwargs.get("memory_efficient_bf16")):
+            common.bf16 = common.memory_efficient_bf16 = False
+        return loaded
 
     return wrapped

@@ -1,4 +1,4 @@
-"""tests/fairseq_moe/warm.py, the tests' warm starts: which commands it forks warm, and that a warm command is the
+"""tests/warm.py, the tests' warm starts: which commands it forks warm, and that a warm command is the
 cold one (its output, exit status, signals and process group), so that the tests which use it test what users run."""
 import os
 import re
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import USER_DIR
 
 BIN = os.path.dirname(sys.executable)
@@ -91,3 +91,24 @@ def test_a_warm_command_has_its_own_pid_group_and_exit_status(data_bin, trained_
     done = warm.run([*cmd, "--input", os.devnull], capture_output=True, text=True, timeout=300,
                     env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def _note_rank(rank, folder, fail_on):
+    if rank == fail_on:
+        raise ValueError(f"rank {rank} fails")
+    with open(os.path.join(folder, str(rank)), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+
+
+def test_spawn_runs_fn_on_every_rank_and_fails_as_torch_spawn_does(tmp_path):
+    """warm.spawn(fn, W, args): fn(rank, *args) in W processes forked by a server, not this process; a rank that
+    raises makes it raise torch's ProcessExitedException naming that rank, as torch.multiprocessing.spawn does."""
+    import torch.multiprocessing as mp
+
+    warm.spawn(_note_rank, 3, (str(tmp_path), None))
+    pids = [tuple(map(int, (tmp_path / str(rank)).read_text().split())) for rank in range(3)]
+    assert len({pid for pid, _ in pids}) == 3 and {parent for _, parent in pids} != {os.getpid()}
+    (tmp_path / "second").mkdir()
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with exit code 1") as failed:
+        warm.spawn(_note_rank, 2, (str(tmp_path / "second"), 1))
+    assert failed.value.error_index == 1

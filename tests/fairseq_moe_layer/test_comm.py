@@ -7,24 +7,25 @@ with and without the all-to-alls overlapped with expert compute (--moe-a2a-overl
 """
 import dataclasses
 import datetime
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fairseq_moe_layer import MoEConfig, MoELayer
 from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
 from fairseq_moe_layer.gates import GATES
 from fairseq_moe_layer.routing import ROUTINGS
 
+from tests import warm
 from tests.conftest import free_port
 
 
 def spawn(fn, world_size, *args):
+    """fn(rank, world_size, *args) on world_size gloo processes (tests/warm.py: spawned as torch's spawn does, or
+    forked warm)."""
     port = free_port()
-    mp.spawn(_init_and_run, args=(world_size, port, fn, args), nprocs=world_size, join=True)
+    warm.spawn(_init_and_run, world_size, (world_size, port, fn, args))
 
 
 def _init_and_run(rank, world_size, port, fn, args):

@@ -30,7 +30,7 @@ from fairseq_moe.checkpoints import safe_load as safe_eval
 from fairseq_moe.errors import CheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe import helpers
 from tests.fairseq_moe.helpers import USER_DIR, lm_train_argv, run_eval_lm, run_generate, run_train, train_argv, unwrapped
 

@@ -14,7 +14,7 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import CheckpointError
 from fairseq_moe_layer.comm import local_experts
 from fairseq_moe.reshard import main as reshard_main
-from tests.fairseq_moe import warm
+from tests import warm
 
 E = 4
 EXPERTS = {"enc.moe.experts.w1": (E, 3, 5), "enc.moe.experts.b1": (E, 5)}

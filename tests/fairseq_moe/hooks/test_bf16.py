@@ -21,7 +21,7 @@ from fairseq_moe_layer import MoELayer  # noqa: E402
 from fairseq_moe.checkpoints import sets as shards  # noqa: E402
 from fairseq_moe.hooks import bf16  # noqa: E402
 
-from tests.fairseq_moe import warm  # noqa: E402
+from tests import warm  # noqa: E402
 from tests.fairseq_moe.helpers import (USER_DIR, build, error_lines, lm_train_argv,  # noqa: E402
                                        parse_train, run_eval_lm, run_generate, run_train, tail, train_argv,
                                        unwrapped)
@@ -31,10 +31,11 @@ TINY = ("--max-update", "3", "--moe-expert-count", "4", "--required-batch-size-m
 
 
 @pytest.mark.parametrize("argv, typed", [
-    (["data", "--bf16"], False), (["--tpu"], True), (["--tpu", "--bf16"], True), (["--tp"], True),
+    (["data", "--bf16"], False), (["--tpu"], True), (["--tpu", "--bf16"], True), (["--tp"], False),
     (["--tpu-x"], False), (["--", "--tpu"], False), (["--tpuu"], False), (["--t"], False), ([], False), (None, False),
 ])
-def test_typed_tpu_reads_the_command_line_as_argparse_does(argv, typed):
+def test_typed_tpu_reads_the_command_line_as_fairseqs_parsers_do(argv, typed):
+    """(fairseq's parsers take no abbreviations: allow_abbrev=False)"""
     assert bf16.typed_tpu(argv) is typed
 
 
@@ -244,15 +245,19 @@ def test_eval_lm_with_bf16_is_the_fp32_perplexity_within_rounding(lm_data_bin, t
     assert half != full and half == pytest.approx(full, rel=0.02)
 
 
-def test_the_hub_interface_casts_with_bf16(trained_checkpoint, data_bin):
-    """from_pretrained(..., bf16=True): a bf16 model that translates; without it an fp32 one."""
+def test_the_hub_interface_casts_with_bf16(trained_checkpoint, data_bin, tmp_path):
+    """from_pretrained(..., bf16=True): a bf16 model that translates; without it an fp32 one, also from a checkpoint
+    trained with --bf16 (as one trained with --fp16 loads in fp32 unless fp16=True)."""
     from fairseq.models.transformer import TransformerModel
 
-    for kw in ({"bf16": True}, {}):
-        hub = TransformerModel.from_pretrained(str(trained_checkpoint.parent), "checkpoint_last.pt",
-                                               data_name_or_path=data_bin, user_dir=USER_DIR, cpu=True, **kw)
-        assert next(hub.models[0].parameters()).dtype == (torch.bfloat16 if kw else torch.float32)
-        assert isinstance(hub.translate("a b c"), str)
+    run_train(train_argv(data_bin, tmp_path, "--bf16", "--max-update", "1", "--moe-expert-count", "2",
+                         "--required-batch-size-multiple", "1"))
+    for path in (trained_checkpoint, tmp_path / "checkpoint_last.pt"):
+        for kw in ({"bf16": True}, {}):
+            hub = TransformerModel.from_pretrained(str(path.parent), path.name, data_name_or_path=data_bin,
+                                                   user_dir=USER_DIR, cpu=True, **kw)
+            assert next(hub.models[0].parameters()).dtype == (torch.bfloat16 if kw else torch.float32), (path, kw)
+            assert isinstance(hub.translate("a b c"), str)
 
 
 def test_cuda_without_bf16_is_one_line_naming_the_flag(data_bin, tmp_path, monkeypatch, capsys):

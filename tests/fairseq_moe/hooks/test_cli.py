@@ -14,7 +14,7 @@ import fairseq_moe
 
 fairseq_moe.load_plugin()
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import (ML_ARGS, USER_DIR, binarise_toy_lm_corpus, error_lines, eval_lm_argv,  # noqa: E402
                                 lm_train_argv, parse_train, run_eval_lm, run_train, tail, train_argv)
 

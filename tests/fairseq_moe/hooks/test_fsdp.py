@@ -19,7 +19,7 @@ from torch import nn
 
 from fairseq_moe import reshard
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import (USER_DIR, assert_same_params, error_lines, run_generate, run_train, tail,
                                        train_argv)
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, Launched, finish, launch

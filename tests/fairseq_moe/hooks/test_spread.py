@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_train, tail, train_argv
 from tests.fairseq_moe.hooks.test_trainer_expert_parallel import COMMON, launch, finish
 

@@ -17,7 +17,7 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import tail, train_argv
 
 W = 2

@@ -18,7 +18,7 @@ from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.errors import CheckpointError, MissingCheckpointError
 from fairseq_moe.reshard import main as reshard_main
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import USER_DIR, error_lines, run_generate, run_train, tail, train_argv
 
 ARGS = ("--moe-expert-count", "4", "--required-batch-size-multiple", "1")

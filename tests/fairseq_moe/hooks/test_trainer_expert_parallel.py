@@ -15,7 +15,7 @@ import torch
 
 from fairseq_moe.checkpoints import sets as shards
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.conftest import free_port
 from tests.fairseq_moe.helpers import USER_DIR, assert_same_params, run_generate, run_train, tail, train_argv
 

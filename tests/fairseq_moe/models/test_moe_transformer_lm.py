@@ -18,7 +18,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_moe.checkpoints import sets as shards
 from fairseq_moe.models.moe_ffn import moe_blocks
 
-from tests.fairseq_moe import warm
+from tests import warm
 from tests.fairseq_moe.helpers import assert_same_params, build, eval_lm_argv, lm_train_argv, parse_train, run_eval_lm, run_train
 
 # Dropless at eval (fraction 0): a token's output does not depend on the batch it is evaluated in,

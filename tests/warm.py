@@ -10,6 +10,8 @@ exit statuses as subprocess gives them: start_new_session makes it a group leade
 environment, working directory, stdin/stdout/stderr and signal dispositions a cold start has, the plugin's patches
 applied again for its environment, and the end of a program started alone (fairseq_moe.launch.fork_rank, as the
 launcher forks a rank). What the server's imports printed is written to the command's stdout and stderr first.
+NumPy's global generator is seeded anew, as in a cold process. What differs: the commands of one server share its
+hash seed (str hashes, set orders), where cold processes each draw one; and ps shows the server's command line.
 
 A server is started per (imports, environment), where the environment is the command's apart from RUNTIME_ENV, the
 variables read only after start-up (OMP_NUM_THREADS is read when torch is imported: its value is part of the key).
@@ -17,10 +19,14 @@ Anything else (python -c, other modules, a plugin not named, cwd or env variants
 through subprocess itself; so does everything with FAIRSEQ_MOE_TESTS_COLD=1 in the environment, to compare.
 """
 import atexit
+import importlib
+import inspect
 import json
 import logging
 import os
+import pickle
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,10 +34,11 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from fairseq_moe import launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Read after the start-up by the programs the server runs (the launcher's rendezvous, the rank, pytest's own note).
 RUNTIME_ENV = frozenset({"PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                          "LOCAL_WORLD_SIZE", "FAIRSEQ_MOE_LAUNCH_RANK"})
@@ -76,13 +83,15 @@ def _tool(program):
     return os.path.basename(program).startswith("fairseq-") or program == sys.executable
 
 
-def plan(cmd, env):
+def plan(cmd, env, cwd=None):
     """(how it starts: "launch" or "alone", then the modules it imports first; the environment its server starts
     with), or None: run it cold."""
     if os.environ.get("FAIRSEQ_MOE_TESTS_COLD") or not isinstance(cmd, (list, tuple)) or not cmd:
         return None
     cmd = [str(c) for c in cmd]
     if cmd[1:3] == ["-m", "fairseq_moe.launch"] and cmd[0] == sys.executable:
+        if os.path.abspath(cwd or os.getcwd()) != ROOT:  # (cold, `-m` finds fairseq_moe from the cwd first)
+            return None
         options = _launcher_options(cmd[3:])
         if options is None or options[1] != "fork":
             return None
@@ -113,7 +122,7 @@ class Server:
         self.folder = tempfile.mkdtemp(prefix="warm-")
         self.path = os.path.join(self.folder, "socket")
         self.log = open(os.path.join(self.folder, "log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fairseq_moe.warm", self.path, *modules], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm", self.path, *modules], cwd=ROOT,
                                      env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=launch.die_with(os.getpid()))
         self.ready = False
@@ -138,6 +147,7 @@ class Server:
             self.proc.kill()
         self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _SERVERS = {}
@@ -174,7 +184,7 @@ class WarmPopen:
     pipes), for a command forked by a Server."""
 
     def __init__(self, server, args, stdin=None, stdout=None, stderr=None, text=False, env=None, cwd=None,
-                 start_new_session=False):
+                 start_new_session=False, call=None):
         self.args, self.returncode = args, None
         ends = []
         fds = [_fd(stdin, 0, ends, True), _fd(stdout, 1, ends, False)]
@@ -185,7 +195,8 @@ class WarmPopen:
         self.stdout = open(next(files), "r" + mode) if stdout == subprocess.PIPE else None
         self.stderr = open(next(files), "r" + mode) if stderr == subprocess.PIPE else None
         request = dict(argv=[str(a) for a in args], env=dict(os.environ if env is None else env),
-                       cwd=os.path.abspath(cwd or os.getcwd()), session=bool(start_new_session))
+                       cwd=os.path.abspath(cwd or os.getcwd()), session=bool(start_new_session), call=call,
+                       umask=_umask(), ignored=[s for s in launch.FORWARDED if signal.getsignal(s) == signal.SIG_IGN])
         try:
             self._sock = server.connect()
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
@@ -246,7 +257,10 @@ class WarmPopen:
 
     def send_signal(self, signum):
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # (ended, its status not read yet)
+                pass
 
     def terminate(self):
         self.send_signal(signal.SIGTERM)
@@ -264,12 +278,18 @@ class WarmPopen:
         self.wait()
 
 
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 _WARM_KEYWORDS = {"stdin", "stdout", "stderr", "text", "env", "cwd", "start_new_session"}
 
 
 def Popen(args, **kwargs):
     """subprocess.Popen(args, **kwargs), warm where plan() knows the command."""
-    how = plan(args, dict(os.environ if kwargs.get("env") is None else kwargs["env"]))
+    how = plan(args, dict(os.environ if kwargs.get("env") is None else kwargs["env"]), kwargs.get("cwd"))
     if how is None or set(kwargs) - _WARM_KEYWORDS:
         return subprocess.Popen(args, **kwargs)
     return WarmPopen(_server(*how), args, **kwargs)
@@ -284,14 +304,60 @@ def run(args, input=None, capture_output=False, timeout=None, check=False, **kwa
     with Popen(args, **kwargs) as proc:
         try:
             out, err = proc.communicate(input, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # (as subprocess.run: killed, waited for, the exception raised)
             proc.kill()
-            proc.communicate()
+            proc.wait()
+            raise
+        except BaseException:
+            proc.kill()
             raise
     done = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if check:
         done.check_returncode()
     return done
+
+
+def spawn(fn, nprocs, args=()):
+    """torch.multiprocessing.spawn(fn, args, nprocs, join=True): fn(rank, *args) in nprocs processes, forked from a
+    server that has imported fn's module and those of the functions in args, which is what a spawned process imports
+    to unpickle them (torch, and fairseq where they import it), with this process's environment, working directory
+    and stdout/stderr. As spawn does, the first process to fail stops the others and raises
+    torch.multiprocessing.ProcessExitedException."""
+    import torch.multiprocessing as mp
+
+    if os.environ.get("FAIRSEQ_MOE_TESTS_COLD"):
+        return mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+    env = dict(os.environ)
+    # (and the modules of the functions among args, which the spawned process imports to unpickle them too)
+    modules = dict.fromkeys([fn.__module__, *(a.__module__ for a in args if inspect.isfunction(a))])
+    server = _server(("spawn", *modules), env)
+    folder = tempfile.mkdtemp(prefix="warm-spawn-")
+    try:
+        procs = []
+        for rank in range(nprocs):
+            call = os.path.join(folder, str(rank))
+            with open(call, "wb") as f:
+                pickle.dump((fn, rank, tuple(args)), f)
+            procs.append(WarmPopen(server, ["spawn", f"{fn.__module__}.{fn.__qualname__}", str(rank)],
+                                   stdin=subprocess.DEVNULL, env=env, call=call))
+        failed = None
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
+            time.sleep(0.02)
+        failed = failed or next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
+        for p in procs:
+            p.kill()
+            p.wait()
+    finally:
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        os.rmdir(folder)
+    if failed is not None:
+        rank, code = failed
+        name = signal.Signals(-code).name if code < 0 else None
+        how = f"was killed by signal {name}" if name else f"terminated with exit code {code}"
+        raise mp.ProcessExitedException(f"process {rank} {how}", error_index=rank, error_pid=procs[rank].pid,
+                                        exit_code=code, signal_name=name)
 
 
 # The server.
@@ -310,13 +376,18 @@ def serve(path, start, modules):
         ready = select.select([listener], [], [], 0.05)[0]
         if ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
-            request = json.loads(message)
-            child = _fork(request, fds, [listener, conn, *children.values()], start_out, start_err)
+            fds = []
+            try:  # (a request that fails is that request's: the server and the other commands go on)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+                child = _fork(json.loads(message), fds, [listener, conn, *children.values()], start_out, start_err)
+                children[child.pid] = conn
+                conn.send(json.dumps({"pid": child.pid}).encode())
+            except Exception:
+                traceback.print_exc()
+                if conn not in children.values():
+                    conn.close()
             for fd in fds:
                 os.close(fd)
-            conn.send(json.dumps({"pid": child.pid}).encode())
-            children[child.pid] = conn
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -329,6 +400,10 @@ def serve(path, start, modules):
 
 
 def _preload(start, modules, parser):
+    if start == "spawn":  # (fn's module, as a spawned process imports it: the plugin's import hook kept)
+        for module in modules:
+            importlib.import_module(module)
+        return
     launch.preload_program(modules, [], parser)
     if "fairseq" in sys.modules:
         # fairseq notes that the plugin is imported already (this module imported fairseq_moe.launch, as the
@@ -372,7 +447,7 @@ def _capture_start(work):
 
 def _fork(request, fds, sockets, start_out, start_err):
     """Fork the command of `request` with fds as its stdin, stdout and stderr."""
-    how = launch.in_process(request["argv"], [])
+    how = (None, _called(request["call"])) if request.get("call") else launch.in_process(request["argv"], [])
     if how is None:
         raise RuntimeError(f"warm server: cannot run {request['argv']}")
     parent = os.getpid()
@@ -390,20 +465,34 @@ def _fork(request, fds, sockets, start_out, start_err):
         if request["session"]:
             os.setsid()
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        if request["argv"][1:2] == ["-m"]:  # (a cold `python -m MODULE` has not imported MODULE before it runs it)
+            sys.modules.pop(request["argv"][2], None)
+        if "numpy" in sys.modules:  # (NumPy's global generator: seeded from the OS in every cold process)
+            sys.modules["numpy"].random.seed()
+        os.close(ready)  # (before the replay: the caller reads its pipes only once it has the pid)
         for fd, text in ((1, start_out), (2, start_err)):
             while text:
                 text = text[os.write(fd, text):]
-        if request["argv"][1:2] == ["-m"]:  # (a cold `python -m MODULE` has not imported MODULE before it runs it)
-            sys.modules.pop(request["argv"][2], None)
-        os.close(ready)
 
-    fresh = {signum: signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-             for signum in launch.FORWARDED}
+    # A cold start's dispositions: Python's SIGINT handler and the defaults, but what the caller ignores is ignored.
+    fresh = {signum: signal.SIG_IGN if signum in request["ignored"] else
+             signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL for signum in launch.FORWARDED}
     child = launch.fork_rank(how[1], request["env"], preexec, fresh)
     os.close(ready)
     os.read(started, 1)  # (EOF: the child closed its end, or died setting up)
     os.close(started)
     return child
+
+
+def _called(path):
+    """A spawned process's work: fn(rank, *args), unpickled from path (its module is imported)."""
+    def run():
+        sys.argv = ["-c"]
+        with open(path, "rb") as f:
+            fn, rank, args = pickle.load(f)
+        fn(rank, *args)
+    return run
 
 
 if __name__ == "__main__":
