@@ -266,7 +266,8 @@ def rank_command(command, nproc):
     return [program, *command[1:], *extra]
 
 
-def main(argv=None):
+def build_parser():
+    """The launcher's options (main's; what a caller that plans a launch reads them with)."""
     parser = argparse.ArgumentParser(prog="python -m fairseq_moe.launch", description=__doc__.split("\n\n")[0],
                                      usage="python -m fairseq_moe.launch --nproc N -- COMMAND ...")
     parser.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
@@ -284,6 +285,16 @@ def main(argv=None):
                              "script's own module is imported anyway). It must not run torch operations: a rank "
                              "forked after OpenMP's threads have started would wait for them forever")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the fairseq command")
+    return parser
+
+
+def rank_threads(args):
+    """OMP_NUM_THREADS of every rank where the environment has none: --threads, or the cores split over --nproc."""
+    return args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.nproc < 1:
@@ -291,7 +302,7 @@ def main(argv=None):
     if not command:
         parser.error("no command given after --")
     port = args.port or free_port()
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    threads = rank_threads(args)
     try:
         commands = [rank_command(command, args.nproc)] * args.nproc
     except ValueError as err:

@@ -19,8 +19,10 @@ Anything else (python -c, other modules, a plugin not named, cwd or env variants
 through subprocess itself; so does everything with FAIRSEQ_MOE_TESTS_COLD=1 in the environment, to compare.
 """
 import atexit
+import contextlib
 import importlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -46,29 +48,15 @@ START_SECONDS = 300  # for a server's imports, on a busy machine
 
 
 def _launcher_options(args):
-    """(nproc, --start, --preload modules, the command after --) of `python -m fairseq_moe.launch ARGS`, or None where
-    the options are not the plain ones."""
-    if "--" not in args:
+    """fairseq_moe.launch's options for `python -m fairseq_moe.launch ARGS` (its own parser), or None where they
+    are a usage error (the launcher's to print: cold)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            options = launch.build_parser().parse_args(args)
+    except SystemExit:
         return None
-    cut = args.index("--")
-    options, command = args[:cut], args[cut + 1:]
-    nproc, start, preload, i = None, "fork", [], 0
-    while i < len(options):
-        flag, value = (options[i].split("=", 1) + [None])[:2] if options[i].startswith("--") else (options[i], None)
-        if value is None:
-            if i + 1 >= len(options):
-                return None
-            value, i = options[i + 1], i + 1
-        if flag == "--nproc":
-            nproc = int(value)
-        elif flag == "--start":
-            start = value
-        elif flag == "--preload":
-            preload.append(value)
-        elif flag not in ("--port", "--threads", "--grace-seconds"):
-            return None
-        i += 1
-    return (nproc, start, preload, command) if nproc and nproc > 0 and command else None
+    options.command = options.command[1:] if options.command[:1] == ["--"] else options.command
+    return options if options.nproc > 0 and options.command else None
 
 
 def _names_this_plugin(args):
@@ -93,22 +81,19 @@ def plan(cmd, env, cwd=None):
         if os.path.abspath(cwd or os.getcwd()) != ROOT:  # (cold, `-m` finds fairseq_moe from the cwd first)
             return None
         options = _launcher_options(cmd[3:])
-        if options is None or options[1] != "fork":
+        if options is None or options.start != "fork":
             return None
-        nproc, _, preload, command = options
         try:
-            rank = launch.rank_command(command, nproc)
+            rank = launch.rank_command(options.command, options.nproc)
         except ValueError:
             return None
-        how = launch.in_process(rank, preload)
+        how = launch.in_process(rank, options.preload)
         # (what the launcher forks; a rank with nothing to import first gains nothing here)
         if how is None or not how[0] or not _tool(rank[0]) or not _names_this_plugin(rank[1:]):
             return None
-        if "OMP_NUM_THREADS" not in env:  # what the launcher sets before its imports (--threads: cold)
-            if any(a.startswith("--threads") for a in cmd[3:cmd.index("--")]):
-                return None
-            env = dict(env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-        return ("launch", *how[0]), dict(env)
+        # What the launcher sets before its imports, where the environment has none.
+        env = dict(env, OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(launch.rank_threads(options))))
+        return ("launch", *how[0]), env
     how = launch.in_process(cmd, [])
     if how is None or not how[0] or not _tool(cmd[0]) or not _names_this_plugin(cmd[1:]):
         return None
@@ -125,7 +110,6 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm", self.path, *modules], cwd=ROOT,
                                      env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=launch.die_with(os.getpid()))
-        self.ready = False
 
     def connect(self):
         deadline = time.monotonic() + START_SECONDS
@@ -133,7 +117,6 @@ class Server:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 sock.connect(self.path)
-                self.ready = True
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
@@ -340,11 +323,9 @@ def spawn(fn, nprocs, args=()):
                 pickle.dump((fn, rank, tuple(args)), f)
             procs.append(WarmPopen(server, ["spawn", f"{fn.__module__}.{fn.__qualname__}", str(rank)],
                                    stdin=subprocess.DEVNULL, env=env, call=call))
-        failed = None
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
+        while not any(p.returncode for p in procs) and any(p.poll() is None for p in procs):
             time.sleep(0.02)
-        failed = failed or next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
+        failed = next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
         for p in procs:
             p.kill()
             p.wait()

@@ -28,11 +28,12 @@ def test_the_commands_it_starts_warm_and_those_it_leaves_cold(monkeypatch, tmp_p
     # The launcher sets OMP_NUM_THREADS before its imports: the server imports with the value the ranks get.
     assert warm.plan([*LAUNCH, "--", *train], {"PATH": "/usr/bin"})[1]["OMP_NUM_THREADS"] == str(
         max(1, os.cpu_count() // 2))
-    assert warm.plan([*LAUNCH, "--threads", "1", "--", *train], {"PATH": "/usr/bin"}) is None  # (the launcher's)
+    assert warm.plan([*LAUNCH, "--threads", "1", "--", *train], {"PATH": "/usr/bin"})[1]["OMP_NUM_THREADS"] == "1"
     cold = [
         [os.path.join(BIN, "fairseq-train"), "data"],  # no plugin: fairseq's own start-up
         [os.path.join(BIN, "fairseq-train"), "data", "--user-dir", os.path.relpath(USER_DIR)],  # resolved by fairseq
         [*LAUNCH, "--start", "exec", "--", *train],
+        [*LAUNCH, "--no-such-option", "--", *train],  # (the launcher's usage error, printed cold)
         [*LAUNCH, "--", sys.executable, str(faulty), "--user-dir", USER_DIR],  # nothing imported before the fork
         [sys.executable, "-c", "print()"],
         [os.path.join(BIN, "torchrun"), "--nproc-per-node", "2", *train],
