@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from . import compose
 from .cli import _rank, one_line_errors
 from ..errors import FlagError
 
@@ -99,10 +100,11 @@ def settle(args, argv):
 
 def settled_config(convert):
     """A tool's convert_namespace_to_omegaconf (fairseq_cli.train, generate, ...): its args settled first (read
-    against sys.argv: the tools parse the command line)."""
+    against sys.argv: the tools parse the command line), then converted as fairseq's (compose.py, which falls back
+    to fairseq's own function, the `convert` this replaces)."""
     @functools.wraps(convert)
-    def wrapped(args, *rest, **kwargs):
-        return convert(settle(args, sys.argv[1:]), *rest, **kwargs)
+    def wrapped(args):
+        return compose.convert_namespace_to_omegaconf(settle(args, sys.argv[1:]))
 
     return wrapped
 
@@ -118,8 +120,8 @@ def settled_validate_config(convert):
     settled = settled_config(convert)
 
     @functools.wraps(convert)
-    def wrapped(args, *rest, **kwargs):
-        cfg = settled(args, *rest, **kwargs)
+    def wrapped(args):
+        cfg = settled(args)
         one_line_errors(refuse)(args)
         return cfg
 
