@@ -29,7 +29,8 @@ DEFAULT_CHOICES = {"criterion": "cross_entropy", "lr_scheduler": "fixed"}
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _INT = re.compile(r"[+-]?(0|[1-9][0-9]*)\Z")
-_FLOAT = re.compile(r"[+-]?(([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+[eE][+-]?[0-9]+|inf|nan)\Z")
+_DIGITS = r"(0|[1-9][0-9]*)"  # (hydra's: no leading zero, else a word)
+_FLOAT = re.compile(rf"[+-]?(({_DIGITS}\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|{_DIGITS}[eE][+-]?[0-9]+|inf|nan)\Z")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
 _KEYWORDS = ("true", "false", "null", "inf", "nan")
 _INTERPOLATION = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\}\Z")
@@ -82,6 +83,13 @@ def value_of(text):
     return _scalar(text)
 
 
+def _config_dir():
+    """fairseq's config folder (fairseq/config: config.yaml, and yaml groups hydra reads before its ConfigStore)."""
+    import fairseq
+
+    return os.path.join(os.path.dirname(fairseq.__file__), "config")
+
+
 def compose(overrides):
     """hydra's compose("config", overrides=overrides, strict=False) of fairseq's config, for fairseq's overrides."""
     from hydra.core.config_store import ConfigStore
@@ -107,7 +115,9 @@ def compose(overrides):
         if name is None:
             continue
         node = repo.get(group, {}).get(f"{name}.yaml") if isinstance(name, str) else None
-        if node is None:
+        # (hydra would read a yaml file of that name before the store's node, and honour a package or a defaults list)
+        if node is None or node.package is not None or (OmegaConf.is_dict(node.node) and "defaults" in node.node) \
+                or os.path.exists(os.path.join(_config_dir(), group, f"{name}.yaml")):
             raise Unsupported(f"{group}={name}")
         under = OmegaConf.create()
         OmegaConf.update(under, group, node.node, merge=False)
@@ -162,19 +172,20 @@ def fast_convert(args):
 
 
 def plain(cfg):
-    """A config as nested Python values, Namespaces as dicts, each value with its type (1 is not 1.0, nan is nan)."""
+    """A config as nested Python values, each with its type (1 is not 1.0, nan is nan), each dict (a Namespace's too) a
+    list of (key, value) in its order."""
     from argparse import Namespace
 
     def typed(x):
         if isinstance(x, Namespace):
             return ("Namespace", typed(vars(x)))
-        if isinstance(x, dict):
-            return {k: typed(v) for k, v in x.items()}
+        if isinstance(x, dict):  # (as a list: the keys' order is compared too)
+            return ("dict", [(k, typed(v)) for k, v in x.items()])
         if isinstance(x, (list, tuple)):
             return (type(x).__name__, [typed(v) for v in x])
         return (type(x).__name__, repr(x))
 
-    return typed(OmegaConf.to_container(cfg))
+    return typed(OmegaConf.to_container(cfg))[1]
 
 
 def convert_namespace_to_omegaconf(args):
@@ -187,6 +198,8 @@ def convert_namespace_to_omegaconf(args):
         fairseq_convert = patches.original("fairseq.dataclass.utils", "convert_namespace_to_omegaconf")
     except KeyError:  # (not installed: fairseq's is the module's own)
         fairseq_convert = utils.convert_namespace_to_omegaconf
+        if fairseq_convert is convert_namespace_to_omegaconf:
+            raise RuntimeError("fairseq_moe.hooks.compose is in fairseq.dataclass.utils without patches.apply()")
     try:
         cfg = fast_convert(args)
     except Unsupported:
@@ -194,7 +207,8 @@ def convert_namespace_to_omegaconf(args):
     if os.environ.get(CHECK_ENV):
         want, got = plain(fairseq_convert(args)), plain(cfg)
         if want != got:
-            differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            want, got = dict(want), dict(got)
+            differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k)) or ["(the keys' order)"]
             raise AssertionError(f"{CHECK_ENV}: fairseq-moe's config differs from fairseq's in {differ}: "
                                  f"{[(got.get(k), want.get(k)) for k in differ[:1]]}")
     return cfg

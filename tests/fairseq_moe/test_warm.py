@@ -113,3 +113,12 @@ def test_spawn_runs_fn_on_every_rank_and_fails_as_torch_spawn_does(tmp_path):
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with exit code 1") as failed:
         warm.spawn(_note_rank, 2, (str(tmp_path / "second"), 1))
     assert failed.value.error_index == 1
+
+
+def test_a_servers_environment_is_the_start_ups():
+    """The rank's variables and what the suite sets in its own process after start-up stay out of a server's key;
+    what a start-up reads stays in (another PYTHONWARNINGS sets other filters)."""
+    env = {"OMP_NUM_THREADS": "1", "RANK": "1", "PYTEST_CURRENT_TEST": "x", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i",
+           "PYTHONWARNINGS": "ignore:semaphore_tracker:UserWarning"}
+    assert warm._start_env(env) == {"OMP_NUM_THREADS": "1"}
+    assert warm._start_env({"PYTHONWARNINGS": "error"}) == {"PYTHONWARNINGS": "error"}

@@ -85,7 +85,7 @@ def test_the_patch_is_what_fairseqs_tools_and_loaders_call():
     ("null", None), ("''", ""), ("'a b/c.d'", "a b/c.d"), ("'x\\'s'", "x's"), ('"it\'s"', "it's"), ("3", 3),
     ("-2", -2), ("0.5", 0.5), ("1e-08", 1e-08), ("-inf", float("-inf")), ("True", True), ("false", False),
     ("translation", "translation"), ("None", "None"), ("'${optimization.lr}'", "${optimization.lr}"),
-    ("[0.9, 0.98]", [0.9, 0.98]), ("[]", []), ("['en', 'de']", ["en", "de"]), ("[1]", [1]),
+    ("[0.9, 0.98]", [0.9, 0.98]), ("[]", []), ("['en', 'de']", ["en", "de"]), ("[1]", [1]), ("0.5e3", 500.0),
 ])
 def test_values_read_as_hydra_reads_them(text, value):
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -96,7 +96,7 @@ def test_values_read_as_hydra_reads_them(text, value):
 
 
 @pytest.mark.parametrize("text", ["'a\\b'", "'a\\\\'b'", "'a${x}'", "'${x}${y}'", "'${oc.env:HOME}'", "[[1, 2]]",
-                                  "['a,b']", "Inf", "NaN", "{'a': 1}", "a b", "", "'a", "1_000"])
+                                  "['a,b']", "Inf", "NaN", "00.5", "01e3", "{'a': 1}", "a b", "", "'a", "1_000"])
 def test_other_forms_go_to_fairseqs(text):
     with pytest.raises(compose.Unsupported):
         compose.value_of(text)

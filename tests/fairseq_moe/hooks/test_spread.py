@@ -91,7 +91,8 @@ def test_ranks_that_do_not_divide_the_experts_are_one_line(data_bin, spread_set)
     assert out.returncode == 2 and len(errors) == 1 and "--moe-expert-count 4" in errors[0], tail(out.stderr)
 
 
-EVAL_BLEU = ("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args", '{"beam": 2}')
+# (max_len_b 20: the targets have at most 12 tokens, and a barely trained model's searches would run to fairseq's 200)
+EVAL_BLEU = ("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args", '{"beam": 2, "max_len_b": 20}')
 # One update per epoch, a validation (with its BLEU) after each: 12 BLEUs, several of them far from 0.
 BLEU_RUN = (*COMMON, "--max-update", "12", "--max-tokens", "1600", *EVAL_BLEU)
 
