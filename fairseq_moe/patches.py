@@ -38,7 +38,7 @@ _BF16_WHY = ("fairseq 0.12 makes --bf16 imply --tpu (XLA): --bf16 without --tpu 
              "the CPU or CUDA, the device checked first")
 _COMPOSE_WHY = ("fairseq composes the config of every command (and of a checkpoint saved with args) by having hydra "
                 "parse some 270 override strings: the same config is built here from the same strings with OmegaConf "
-                "alone, 0.6-0.9 s of CPU less per call; any form it does not read exactly goes to fairseq's own")
+                "alone, about 0.5 s of CPU less per call (bench_compose.py); any form it does not read exactly goes to fairseq's own")
 _TRAINER = "fairseq.trainer:Trainer"
 _CKPT = "fairseq.checkpoint_utils"
 

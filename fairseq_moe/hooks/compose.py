@@ -1,10 +1,10 @@
-"""fairseq's convert_namespace_to_omegaconf with the same result, without hydra's parse and compose: 0.6-0.9 s of CPU
-less in every fairseq command and checkpoint load that calls it.
+"""fairseq's convert_namespace_to_omegaconf with the same result, without hydra's parse and compose: about half a
+second of CPU less in every fairseq command and checkpoint load that calls it (benchmarks/bench_compose.py).
 
 fairseq turns a parsed command line into its config by writing about 270 `key=value` strings (override_module_args)
 and handing them to hydra, which parses each with its ANTLR grammar, builds a defaults tree and composes the config
-from its ConfigStore, with deep copies at every step: 0.65 s of CPU after the first call, 0.95 s for the first, on
-this project's machine (2026-12-03). Here the same strings make the same config: each value read back for the forms
+from its ConfigStore, with deep copies at every step (0.68 s of CPU a call, against 0.135 s here, in
+benchmarks/README.md). Here the same strings make the same config: each value read back for the forms
 fairseq writes (null, a quoted string, a number, a bool, a word, a flat list of those), the groups (task=, model=,
 criterion=, ...) merged from the same ConfigStore nodes in the order of fairseq's config.yaml defaults list, after
 its primary schema (FairseqConfig), then every value set with OmegaConf.update in struct mode, as hydra's
