@@ -4,12 +4,14 @@ Legend: T tokens, N = kept assignments (rows sorted by expert), d model dim, f f
 k choices per token.
 These are also the CPU implementation, so they are written for speed where it is cheap to:
 the grouped MLP has a hand-written backward that writes each expert's weight gradient into one
-preallocated [E, ...] buffer. (Autograd through per-expert slices of stacked weights would
-materialise a full [E, ...] gradient per slice, a cost that grows as E^2.)
+preallocated [E, ...] buffer, on the CPU a large one kept across steps (grad_buffers.py). (Autograd through
+per-expert slices of stacked weights would materialise a full [E, ...] gradient per slice, a cost that grows as E^2.)
 """
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from . import grad_buffers
 
 
 def sort_assignments(experts, num_experts):
@@ -118,12 +120,13 @@ def _recompute_a(saved, mask, activation, dropout_p):
 
 
 def _grad_buffer(like, shape, sizes):
-    """An uninitialised [E, ...] gradient buffer (like's dtype/device) with zeros for the experts that got no rows.
+    """An uninitialised [E, ...] gradient buffer for weight `like` (its dtype/device; grad_buffers.py: last step's
+    where nothing holds it any more) with zeros for the experts that got no rows.
 
     Every other expert's slice is overwritten whole by its GEMM; zero-filling the whole buffer
     first would cost about 7% of a step at E=128 (measured, benchmarks/bench_layer.py --profile).
     """
-    buf = like.new_empty(shape)
+    buf = grad_buffers.empty(like, shape)
     for e, n in enumerate(sizes):
         if n == 0:
             buf[e].zero_()

@@ -1,0 +1,125 @@
+"""fairseq_moe_kernels/grad_buffers.py: the torch backend's expert weight gradients land in last step's buffer once
+nothing holds it, and never in one that a .grad, a kept reference or an accumulation still holds; the gradients
+equal a plain per-expert loop's (autograd through F.linear) in every case."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_moe_kernels import grad_buffers, reference
+
+E, D, FF = 3, 4, 5
+COUNTS = torch.tensor([2, 0, 3])  # expert 1 gets no rows: its slice of the kept buffer must be zeroed again
+
+
+@pytest.fixture(autouse=True)
+def pooled(monkeypatch):
+    monkeypatch.setattr(grad_buffers, "MIN_BYTES", 0)  # the test's tiny weights are kept too
+    grad_buffers.release()
+    yield
+    grad_buffers.release()
+
+
+def weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((E, D, FF), (E, FF), (E, FF, D), (E, D))
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def rows(seed):
+    return torch.randn(int(COUNTS.sum()), D, generator=torch.Generator().manual_seed(seed))
+
+
+def loop_grads(ws, x):
+    """d sum(y * upstream) / d (w1, b1, w2, b2), one expert at a time, through autograd."""
+    w1, b1, w2, b2 = (w.detach().clone().requires_grad_() for w in ws)
+    out, start = [], 0
+    for e, n in enumerate(COUNTS.tolist()):
+        h = F.relu(F.linear(x[start:start + n], w1[e].t(), b1[e]))
+        out.append(F.linear(h, w2[e].t(), b2[e]))
+        start += n
+    (torch.cat(out) * upstream(x)).sum().backward()
+    return [w1.grad, b1.grad, w2.grad, b2.grad]
+
+
+def upstream(x):
+    return torch.linspace(-1, 1, x.numel()).view_as(x)
+
+
+def backward(ws, x):
+    (reference.grouped_mlp(x, COUNTS, *ws) * upstream(x)).sum().backward()
+
+
+def test_a_dropped_grad_buffer_is_taken_again_with_the_right_values():
+    ws = weights()
+    backward(ws, rows(1))
+    first = [w.grad.data_ptr() for w in ws]
+    for w, want in zip(ws, loop_grads(ws, rows(1))):
+        torch.testing.assert_close(w.grad, want)
+    for w in ws:
+        w.grad = None  # fairseq's zero_grad, torch's set_to_none
+    backward(ws, rows(2))
+    assert [w.grad.data_ptr() for w in ws] == first
+    kept = {t.data_ptr() for per_weight in grad_buffers._kept.values() for slots in per_weight.values()
+            for t, _ in slots}
+    assert {w.grad.data_ptr() for w in ws} == kept  # (not malloc handing back the freed block)
+    for w, want in zip(ws, loop_grads(ws, rows(2))):
+        torch.testing.assert_close(w.grad, want)
+    assert ws[0].grad[1].abs().sum() == 0  # the expert without rows
+
+
+def test_a_buffer_still_held_is_never_overwritten():
+    ws = weights()
+    backward(ws, rows(1))
+    held = [w.grad for w in ws]  # an optimizer's or a user's reference
+    copies = [h.clone() for h in held]
+    for w in ws:
+        w.grad = None
+    backward(ws, rows(2))
+    for h, c, w in zip(held, copies, ws):
+        torch.testing.assert_close(h, c)
+        assert w.grad.data_ptr() != h.data_ptr()
+    for w, want in zip(ws, loop_grads(ws, rows(2))):
+        torch.testing.assert_close(w.grad, want)
+    views = [w.grad[0] for w in ws]  # a view of .grad holds its storage too
+    view_copies = [v.clone() for v in views]
+    for w in ws:
+        w.grad = None
+    backward(ws, rows(3))
+    for v, c in zip(views, view_copies):
+        torch.testing.assert_close(v, c)
+
+
+def test_accumulated_gradients_sum_every_backward():
+    ws = weights()
+    want = [torch.zeros_like(w) for w in ws]
+    for seed in (1, 2, 3, 4):  # .grad kept: each backward's gradient needs a buffer of its own
+        backward(ws, rows(seed))
+        want = [a + b for a, b in zip(want, loop_grads(ws, rows(seed)))]
+    for w, g in zip(ws, want):
+        torch.testing.assert_close(w.grad, g)
+    assert all(len(slots) <= grad_buffers.SLOTS for per_weight in grad_buffers._kept.values()
+               for slots in per_weight.values())
+
+
+def test_only_leaf_cpu_weights_over_the_threshold_are_kept(monkeypatch):
+    ws = weights()
+    cast = [w * 1 for w in ws]  # autocast's casts: temporaries, a new object every step
+    (reference.grouped_mlp(rows(1), COUNTS, *cast) * upstream(rows(1))).sum().backward()
+    assert len(grad_buffers._kept) == 0
+    for w, want in zip(ws, loop_grads(ws, rows(1))):
+        torch.testing.assert_close(w.grad, want)
+    monkeypatch.setattr(grad_buffers, "MIN_BYTES", 10**9)
+    fresh = weights()
+    backward(fresh, rows(1))
+    assert len(grad_buffers._kept) == 0
+
+
+def test_the_buffers_die_with_their_weight():
+    ws = weights()
+    backward(ws, rows(1))
+    assert len(grad_buffers._kept) == 2  # w1 and w2 (each with its bias's buffer)
+    del ws
+    gc.collect()
+    assert len(grad_buffers._kept) == 0
