@@ -13,6 +13,7 @@ still in use after forward minus before it: the saved tensors plus the outputs).
     .venv/bin/python benchmarks/bench_layer.py --E 8 --T 1024 --reps 3
     .venv/bin/python benchmarks/bench_layer.py --E 128 --T 16384 --profile   # + stage breakdown
     .venv/bin/python benchmarks/bench_layer.py --E 8 --T 4096 --f 1024 --dropless --autocast bf16   # both under autocast
+    .venv/bin/python benchmarks/bench_layer.py --E 8 32 128 --T 16384 --dropless --dtype bf16   # both models in bf16
 
 The routing policies' overhead is measured by bench_routing.py (beside this script, on its timing).
 
@@ -42,6 +43,7 @@ import fairseq_moe_layer.layer as layer_module  # noqa: E402
 TIME_TARGETS = {8: 1.15, 32: 1.3, 128: 1.6}
 AUTOCAST_TIME_TARGET = 1.3  # --autocast, every E (issue 32: E=8, T=4096, f=1024, top-2 dropless)
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEMORY_TARGET = 1.5
 BALANCE_COEF, Z_COEF = 0.01, 0.001  # loss weights of the aux losses in the MoE backward
 MB = 2**20
@@ -85,11 +87,16 @@ def parse_args(argv=None):
     p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
                    help="run both models' forwards under torch.autocast('cpu', DTYPE), fp32 weights (the backward "
                         "outside it, as a training step does); default: fp32, no autocast")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="both models' weights, input and gradients (bf16: what the plugin's --bf16 trains; the "
+                        "gate's logits and the losses stay fp32)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
     if args.profile and args.autocast:
         p.error("--profile profiles the fp32 step: not with --autocast")
+    if args.autocast and args.dtype != "fp32":
+        p.error("--autocast runs fp32 weights: not with --dtype " + args.dtype)
     return args
 
 
@@ -418,8 +425,11 @@ def run_config(args, E, T):
                                kernel_backend=args.backend))
     layer.train()
     dense = DenseFFNs(d, f, k, "relu", "cpu", torch.float32).train()
-    x = torch.randn(T, d, requires_grad=True)
-    grad_y = torch.randn(T, d)
+    weights = DTYPES[getattr(args, "dtype", "fp32")]  # (bench_routing.py's arguments have no --dtype)
+    layer.to(weights)
+    dense.to(weights)
+    x = torch.randn(T, d, dtype=weights, requires_grad=True)
+    grad_y = torch.randn(T, d, dtype=weights)
 
     with torch.no_grad():
         _, aux = layer(x)
@@ -437,6 +447,7 @@ def run_config(args, E, T):
 
     result = {
         "E": E, "T": T, "d": d, "f": f, "k": k, "capacity_factor": cf, "autocast": args.autocast,
+        "dtype": getattr(args, "dtype", "fp32"),
         "dropped_fraction": dropped,
         "moe_ms": statistics.median(moe_ms), "dense_ms": statistics.median(dense_ms),
         "moe_ms_all": moe_ms, "dense_ms_all": dense_ms,
@@ -529,7 +540,7 @@ def start(args):
     print(f"torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}, "
           f"malloc {alloc}, "
           f"d={args.d} f={args.f} k={args.k} "
-          f"{f'fp32 weights, forwards under autocast {autocast}' if autocast else 'fp32'}, "
+          f"{f'fp32 weights, forwards under autocast {autocast}' if autocast else getattr(args, 'dtype', 'fp32')}, "
           f"capacity_factor={'0 (dropless)' if args.dropless else args.capacity_factor}, "
           f"reps={args.reps} warmup={args.warmup}, median {args.timer} ms of forward+backward")
 
