@@ -1,15 +1,19 @@
 """fairseq steps of the translation example: BPE, binarisation, training,
 generation and scoring. Each fairseq tool runs as a child process whose output
-is streamed to the console and copied to a log file."""
+is streamed to the console and copied to a log file. Two models may train at
+once, each in a thread of its own under `job(name, threads)`: its children's
+lines are then prefixed with the name and they run on that many threads."""
 
 import json
 import os
 import re
-import resource
 import shlex
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 
 from corpus import SPLITS, done_marker
@@ -21,13 +25,57 @@ class StepError(RuntimeError):
     """A fairseq step failed; the message says where its log is."""
 
 
+_job = threading.local()  # .name, .threads: set by job() in the thread that runs one model's steps
+_children = set()  # the running children, for stop_children()
+_children_lock = threading.Lock()
+_stopping = threading.Event()  # set by stop_children(): no new child starts
+
+
+@contextmanager
+def job(name, threads):
+    """In this thread, children run on `threads` compute threads and their lines are echoed as "[name] ..."."""
+    _job.name, _job.threads = name, threads
+    try:
+        yield
+    finally:
+        _job.name = _job.threads = None
+
+
+def stop_children():
+    """Terminate the children still running (the other model's, when one model's step failed)."""
+    with _children_lock:
+        _stopping.set()
+        for proc in list(_children):
+            proc.terminate()
+
+
+def run_at_once(run_one, names, threads):
+    """run_one(name) for each name at the same time, each in a thread whose children run on `threads` threads;
+    -> {name: its result}. When one fails, the others' children are stopped and its error is raised."""
+    _stopping.clear()
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(_as_job, run_one, name, threads) for name in names}
+        wait(futures.values(), return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures.values() if f.done() and f.exception()]
+        if failed:
+            stop_children()
+            raise failed[0].exception()
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _as_job(run_one, name, threads):
+    with job(name, threads):
+        return run_one(name)
+
+
 def child_env():
     """Environment for fairseq children: unbuffered, bounded thread count."""
     env = dict(os.environ)
     # torch would otherwise pick its own thread count; on a small shared box
     # oversubscription makes training much slower, so use exactly the cores
-    # this process may run on (unless the user chose a value).
-    threads = env.get("OMP_NUM_THREADS") or str(len(os.sched_getaffinity(0)))
+    # this process may run on (unless the user chose a value), or the job's share of them.
+    threads = (str(_job.threads) if getattr(_job, "threads", None) else None) or env.get("OMP_NUM_THREADS") \
+        or str(len(os.sched_getaffinity(0)))
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     # OpenMP threads that spin while waiting collapse when anything else
     # runs on the cores: on 2 busy cores the tiny models trained 4-5x slower
@@ -37,20 +85,33 @@ def child_env():
 
 
 def run_logged(cmd, log_file):
-    """Run cmd, echo its output live and tee it to log_file; fail loudly."""
+    """Run cmd, echo its output live and tee it to log_file; fail loudly. -> the child's CPU seconds (user +
+    system, its own children's included), which, unlike its wall time, other jobs on the same cores do not
+    inflate."""
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    print("| $ " + shlex.join(cmd), flush=True)
+    prefix = f"[{_job.name}] " if getattr(_job, "name", None) else ""
+    print(prefix + "| $ " + shlex.join(cmd), flush=True)
     with open(log_file, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=child_env(), text=True, bufsize=1)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()  # keep progress visible when piped, e.g. into tee
-            log.write(line)
-        proc.wait()
+        with _children_lock:
+            if _stopping.is_set():
+                proc.kill()
+            _children.add(proc)
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(prefix + line)
+                sys.stdout.flush()  # keep progress visible when piped, e.g. into tee
+                log.write(line)
+            _, status, usage = os.wait4(proc.pid, 0)  # (Popen.wait would not give this child's own rusage)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        finally:
+            with _children_lock:
+                _children.discard(proc)
     if proc.returncode != 0:
         raise StepError(f"exit code {proc.returncode} from {cmd[2]} (log: {log_file})")
+    return usage.ru_utime + usage.ru_stime
 
 
 def fairseq_cmd(tool):
@@ -135,13 +196,25 @@ def common_train_args(a, save_dir):
 
 
 def device_args(a):
-    if a.device == "cpu":
-        return ["--cpu"]
-    return ["--fp16"] if a.fp16 else []
+    """--cpu on the CPU; --bf16 (the plugin's, which the dense model then loads too) or --fp16."""
+    args = ["--cpu"] if a.device == "cpu" else []
+    if getattr(a, "bf16", False):
+        return args + ["--bf16"]
+    return args + (["--fp16"] if a.fp16 else [])
 
 
-def dense_train_cmd(a, data_bin, save_dir):
-    return fairseq_cmd("train") + [str(data_bin),
+def native_bf16(device):
+    """Whether `device` ("cpu" or "cuda") computes bfloat16 natively, as the plugin's --bf16 checks it."""
+    from fairseq_moe.hooks import bf16
+
+    return bf16.cuda_has_bf16() if device == "cuda" else bf16.cpu_has_fast_bf16()
+
+
+def dense_train_cmd(a, data_bin, save_dir, user_dir):
+    """fairseq's own transformer; with --bf16 through the plugin (user_dir), whose --bf16 is the device's (fairseq
+    0.12's own means a TPU): the model is fairseq's either way."""
+    plugin = ["--user-dir", str(user_dir)] if getattr(a, "bf16", False) else []
+    return fairseq_cmd("train") + [str(data_bin), *plugin,
         "--task", "translation", "--arch", "transformer",
         "--encoder-layers", "3", "--decoder-layers", "3",
         "--encoder-embed-dim", "128", "--decoder-embed-dim", "128",
@@ -173,20 +246,13 @@ def train(cmd, save_dir):
     save_dir.mkdir(parents=True, exist_ok=True)
     for old in save_dir.glob("checkpoint*.pt"):
         old.unlink()
-    start, cpu = time.time(), _children_cpu_seconds()
-    run_logged(cmd, save_dir / "train.log")
-    seconds, cpu = time.time() - start, _children_cpu_seconds() - cpu
+    start = time.time()
+    cpu = run_logged(cmd, save_dir / "train.log")
+    seconds = time.time() - start
     checkpoint = save_dir / "checkpoint_best.pt"
     if not checkpoint.exists():
         raise StepError(f"training finished without writing {checkpoint}")
     return checkpoint, seconds, cpu
-
-
-def _children_cpu_seconds():
-    """CPU seconds (user + system) of the finished children of this process: the work of a training,
-    which, unlike its wall time, other jobs on the same cores do not inflate."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def last_valid_stats(log_file):
@@ -223,7 +289,7 @@ def generate(a, data_bin, checkpoint, out_dir, extra_args=()):
         "--max-len-a", "1.2", "--max-len-b", "10",
         "--results-path", str(out_dir),
         "--log-format", "simple", "--num-workers", "0",
-    ] + (["--cpu"] if a.device == "cpu" else [])
+    ] + (["--cpu"] if a.device == "cpu" else []) + (["--bf16"] if getattr(a, "bf16", False) else [])
     run_logged(cmd, out_dir / "generate.log")
     hyps = {}
     # fairseq batches by length; the H-<id> lines give the original order.
