@@ -2,6 +2,7 @@
 --moe-keep-freed-memory.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fairseq_train.py            # E = 32, 3 rounds: ~15 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fairseq_train.py --bf16     # the same, both models in bf16
     .venv/bin/python benchmarks/bench_fairseq_train.py --smoke                      # tiny: that it runs
 
 A decoder-only LM on random words (fairseq-preprocess'd into a temporary folder): --layers layers of width --d and
@@ -47,6 +48,8 @@ def parser():
     p.add_argument("--updates", type=int, default=25)
     p.add_argument("--log-interval", type=int, default=5, help="the first interval is the warm-up, not counted")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bf16", action="store_true",
+                   help="both models in bf16 (the plugin's --bf16: fp32 master weights and optimizer state)")
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (seconds per run)")
     return p
@@ -89,7 +92,7 @@ def train_argv(args, data, moe, keep):
             "--tokens-per-sample", str(args.sample), "--max-tokens", str(args.tokens), "--cpu", "--seed", "1",
             "--optimizer", "adam", "--lr", "0.0003", "--max-update", str(args.updates), "--disable-validation",
             "--no-save", "--log-format", "simple", "--log-interval", str(args.log_interval), "--num-workers", "0",
-            "--no-progress-bar"]
+            "--no-progress-bar", *(["--bf16"] if args.bf16 else [])]
 
 
 def tokens_per_s(log):
@@ -149,7 +152,7 @@ def report(args, got):
               "moe keep / moe glibc (tokens/s)": tps["moe keep"] / tps["moe glibc"],
               "dense keep / dense glibc (tokens/s)": tps["dense keep"] / tps["dense glibc"]}
     print(f"\nfairseq-train on the CPU, one thread: d={args.d} f={args.f} layers={args.layers}, MoE every 2nd FFN, "
-          f"E={args.experts} top-1 dropless; {args.tokens} tokens per update, {args.updates} updates, "
+          f"E={args.experts} top-1 dropless, {'bf16' if args.bf16 else 'fp32'}; {args.tokens} tokens per update, {args.updates} updates, "
           f"median of {args.rounds} round(s)")
     print("| run | allocator | tokens/s | peak RSS MB | kernel s |\n| --- | --- | --- | --- | --- |")
     for name, row in rows.items():

@@ -86,7 +86,9 @@ def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", 
 def fast(device, dtype):
     """Whether PyTorch runs its grouped GEMM kernel here (CUTLASS, bf16 on compute capability 9.x/10.x: Hopper,
     Blackwell), where `auto` takes this backend; elsewhere torch's grouped_mm falls back to a loop of mm calls
-    (offsets copied to the host), which the reference's hand-written backward beats in memory."""
+    (offsets copied to the host), which the reference's hand-written backward beats in memory. On a CPU with
+    AVX-512 BF16 the loop of a GEMM per expert also beat it in time, in fp32, in bf16 and under bf16 autocast
+    (benchmarks/README.md, "bf16, and the kernel rule": 2026-12-04, bench_layer.py at E = 8, 32, 128)."""
     device = torch.device(device)
     if device.type != "cuda" or dtype != torch.bfloat16 or not torch.cuda.is_available():
         return False
