@@ -115,8 +115,8 @@ def validate(parser, a):
         parser.error(f"--src-lang and --tgt-lang must differ (both are {a.src_lang!r})")
     if a.fp16 and a.device != "cuda":
         parser.error("--fp16 needs --device cuda")
-    if a.fp16 and a.precision != "auto":
-        parser.error(f"--fp16 is a precision of its own: not with --precision {a.precision}")
+    if a.fp16 and a.precision == "bf16":
+        parser.error("--fp16 is a precision of its own: not with --precision bf16")
     if a.upcycle and a.skip_dense:
         parser.error("--upcycle continues the dense model: it cannot go with --skip-dense")
     if a.upcycle_at is None:
@@ -134,6 +134,11 @@ def validate(parser, a):
     # Two small models on 2 cores: one training on both kept them 1.4 busy (2026-12-04), two at once keep both busy.
     at_once = not a.sequential and not a.skip_dense and a.device == "cpu" and cores >= 2
     a.threads_each = cores // 2 if at_once else None
+    if a.precision == "bf16" and not pipeline.native_bf16(a.device):
+        if a.device == "cuda":
+            parser.error("--precision bf16: this GPU does not compute bf16 natively (compute capability 8.0 or later)")
+        print("| warning: --precision bf16: PyTorch's oneDNN runs no bf16 matrix products on this CPU; "
+              "bf16 will be much slower than fp32 here", file=sys.stderr)
     a.bf16 = not a.fp16 and (a.precision == "bf16" or a.precision == "auto" and pipeline.native_bf16(a.device))
     a.workdir = a.workdir.resolve()
     a.log_interval = 50
