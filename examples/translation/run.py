@@ -64,12 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--fp16", action="store_true", help="mixed precision (only with --device cuda)")
     # fp32 by default: on 2026-12-04's AVX-512 BF16 CPU the bf16 quickstart took 36.5 min against fp32's 32.1, and its
     # dense model's BLEU moved by 0.61 (10.29 against 9.68; issue 32 keeps bf16 only within 0.3).
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="fp32",
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
                    help="both models' training and decoding: bf16 (the plugin's --bf16: bf16 weights and "
                         "activations, fp32 master weights and optimizer state, the router fp32), fp32, or auto: "
                         "bf16 where the device computes it (a CPU on which PyTorch's oneDNN runs bf16 matrix "
                         "products: x86 with AVX-512, Arm with BF16; a CUDA GPU of compute capability 8.0 or "
-                        "later), else fp32; --fp16 is fp16")
+                        "later), else fp32; default fp32 (or fp16 with --fp16, which takes no --precision)")
     p.add_argument("--sequential", action="store_true",
                    help="train (and decode with) the MoE and the dense model one after the other, each on all "
                         "the cores; by default, on the CPU, they run at the same time, each on half of them")
@@ -115,8 +115,9 @@ def validate(parser, a):
         parser.error(f"--src-lang and --tgt-lang must differ (both are {a.src_lang!r})")
     if a.fp16 and a.device != "cuda":
         parser.error("--fp16 needs --device cuda")
-    if a.fp16 and a.precision == "bf16":
-        parser.error("--fp16 is a precision of its own: not with --precision bf16")
+    if a.fp16 and a.precision:
+        parser.error(f"--fp16 is a precision of its own: not with --precision {a.precision}")
+    a.precision = a.precision or ("fp16" if a.fp16 else "fp32")
     if a.upcycle and a.skip_dense:
         parser.error("--upcycle continues the dense model: it cannot go with --skip-dense")
     if a.upcycle_at is None:
@@ -134,12 +135,13 @@ def validate(parser, a):
     # Two small models on 2 cores: one training on both kept them 1.4 busy (2026-12-04), two at once keep both busy.
     at_once = not a.sequential and not a.skip_dense and a.device == "cpu" and cores >= 2
     a.threads_each = cores // 2 if at_once else None
-    if a.precision == "bf16" and not pipeline.native_bf16(a.device):
+    native = a.precision in ("auto", "bf16") and pipeline.native_bf16(a.device)
+    if a.precision == "bf16" and not native:
         if a.device == "cuda":
             parser.error("--precision bf16: this GPU does not compute bf16 natively (compute capability 8.0 or later)")
         print("| warning: --precision bf16: PyTorch's oneDNN runs no bf16 matrix products on this CPU; "
               "bf16 will be much slower than fp32 here", file=sys.stderr)
-    a.bf16 = not a.fp16 and (a.precision == "bf16" or a.precision == "auto" and pipeline.native_bf16(a.device))
+    a.bf16 = a.precision == "bf16" or a.precision == "auto" and native
     a.workdir = a.workdir.resolve()
     a.log_interval = 50
     a.gen_batch_size = 64
