@@ -109,6 +109,10 @@ PATCHES = (
           "--optimizer adafactor treats a stacked expert tensor as one parameter (a bias's column statistics, the "
           "update's RMS mix the experts): here each expert is stepped as its own, so its state cuts per expert",
           wraps=True),
+    Patch("fairseq.optim.adam:Adam", "step", "fairseq_moe.hooks.adam:adam_step",
+          "its six whole-tensor operations per parameter stream a stacked expert tensor through memory six times "
+          "and allocate its size anew: on the CPU, fp32, torch's fused AdamW kernel with fairseq's arithmetic (adam.py)",
+          wraps=True),
     Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoints.safe_load:register_safe_globals",
           "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",
           since="0.12 with torch >= 2.6"),

@@ -370,8 +370,24 @@ def test_an_overflow_in_an_expert_gradient_makes_the_norm_inf():
     fairseq_clip = patches.original("fairseq.utils", "clip_grad_norm_")
     assert fairseq_clip(_grads(torch.tensor([float("inf"), 1.0])), 0).item() == 5.0  # (what fairseq returned)
     assert utils.clip_grad_norm_(_grads(torch.tensor([1.0, 1.0])), 0).item() == 5.0
-    for bad in (float("inf"), float("nan")):
+    for bad in (float("inf"), float("nan"), -float("inf")):
         assert utils.clip_grad_norm_(_grads(torch.tensor([bad, 1.0])), 0).item() == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_sees_a_bad_element_anywhere(dtype):
+    """The check from each tensor's extremes (aminmax) against torch.isfinite, element by element: a NaN or an inf at
+    the start, in the middle of a vectorised run, or in the tail of a tensor, in any of several tensors."""
+    from fairseq_moe.hooks.optim import all_finite
+
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) for n in (1, 33, 4099)]
+    assert all_finite(tensors).item() and all_finite([]).item() and all_finite([torch.empty(0)]).item()
+    for which, t in enumerate(tensors):
+        for i in sorted({0, t.numel() // 2, t.numel() - 1}):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                spoiled = [u.clone() for u in tensors]
+                spoiled[which][i] = bad
+                assert all_finite(spoiled).item() is False and not all(torch.isfinite(u).all() for u in spoiled)
 
 
 def _overflow_on_one_rank(rank, W):

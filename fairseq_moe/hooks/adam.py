@@ -1,0 +1,85 @@
+"""fairseq's Adam step on the CPU as one pass over memory: torch's fused AdamW kernel, with fairseq's arithmetic.
+
+fairseq's Adam (fairseq.optim.adam.Adam: what --optimizer adam runs without apex's FusedAdam) updates each
+parameter with six whole-tensor operations (two on the first moment, two on the second, sqrt and its eps into a
+new tensor, the update), plus one for weight decay. For a stacked expert tensor of 32 experts at d = 512, f = 2048
+(134 MB) each of them streams the tensor through memory again, and the sqrt allocates its size anew: 0.14 s per
+update for the 67 M expert parameters of bench_fairseq_train.py's MoE layer on one core (torch 2.13), 7% of an
+fp32 update and 16% of a bf16 one. torch's fused kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True)
+runs) reads and writes each element once: 0.014 s for the same tensors.
+
+fairseq's step is AdamW's with the bias correction of the second moment outside the eps:
+    p <- p - lr * wd * p;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+    p <- p - lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
+torch's kernel divides by sqrt(v) / sqrt(1 - b2^t) + eps', which is fairseq's denominator when eps' = eps /
+sqrt(1 - b2^t): each call passes that (amsgrad: the running maximum of v in its place, as in both). The values are
+fairseq's up to float rounding, not to the bit (the kernel fuses the multiplications): the tests compare both with
+fairseq's own code run in float64. Parameters stepped this way: fp32 ones with an fp32 dense gradient and state, on
+the CPU; any other (a bf16 one of --memory-efficient-bf16, whose fp32 state is fairseq's; a sparse gradient; CUDA,
+where no run of this kernel has been checked here) goes through fairseq's own step, unchanged, in the same call.
+The state keeps fairseq's names and types (an int "step"), so a checkpoint moves between either step.
+"""
+import math
+
+import torch
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def fusable(p, state):
+    """Whether p (with its Adam state so far) takes the fused step: fp32 on the CPU, a dense fp32 gradient, state
+    (if any yet) of its shape, dtype and device, all contiguous."""
+    grad = p.grad
+    tensors = [p, grad] + [state[k] for k in _MOMENTS if k in state]
+    return hasattr(torch, "_fused_adamw_") and not grad.is_sparse and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.shape == p.shape and t.is_contiguous()
+        for t in tensors)
+
+
+def _fused(params, state, group):
+    """One group's parameters that fusable() serves, stepped by torch's kernel with fairseq's arithmetic."""
+    amsgrad = group.get("amsgrad", False)
+    beta1, beta2 = group["betas"]
+    by_step = {}  # t -> parameters at that step (one call per t: the kernel's eps' depends on it)
+    for p in params:
+        s = state[p]
+        if len(s) == 0:
+            s["step"] = 0
+            for key in _MOMENTS[:3 if amsgrad else 2]:
+                s[key] = torch.zeros_like(p.data)
+        s["step"] += 1
+        by_step.setdefault(s["step"], []).append(p)
+    for t, ps in by_step.items():
+        torch._fused_adamw_(
+            [p.data for p in ps], [p.grad.data for p in ps], [state[p]["exp_avg"] for p in ps],
+            [state[p]["exp_avg_sq"] for p in ps], [state[p]["max_exp_avg_sq"] for p in ps] if amsgrad else [],
+            [torch.tensor(float(t)) for _ in ps], lr=group["lr"], beta1=beta1, beta2=beta2,
+            weight_decay=group["weight_decay"], eps=group["eps"] / math.sqrt(1 - beta2 ** t), amsgrad=amsgrad,
+            maximize=False)
+
+
+def adam_step(original):
+    """fairseq.optim.adam.Adam.step with the fused kernel for the parameters fusable() serves; the others are
+    stepped by fairseq's own code (original), in the same call."""
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        others = []
+        for group in self.param_groups:
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            fused = [p for p in with_grad if fusable(p, self.state[p])]
+            _fused(fused, self.state, group)
+            done = {id(p) for p in fused}
+            others.append([p for p in with_grad if id(p) not in done])
+        if any(others):  # fairseq's step over those alone: each group's params narrowed for the call
+            kept = [group["params"] for group in self.param_groups]
+            try:
+                for group, rest in zip(self.param_groups, others):
+                    group["params"] = rest
+                original(self)
+            finally:
+                for group, params in zip(self.param_groups, kept):
+                    group["params"] = params
+        return loss
+
+    return step
