@@ -439,7 +439,8 @@ def run_config(args, E, T):
     moe_fwd, dense_fwd = under_autocast(moe_forward, dtype), under_autocast(dense_forward, dtype)
     steps = [(moe_fwd, moe_backward, layer, x, grad_y), (dense_fwd, dense_backward, dense, x, grad_y)]
     if args.tutel:
-        steps.append((under_autocast(tutel_forward, dtype), tutel_backward, tutel_layer(args, E).train(), x, grad_y))
+        steps.append((under_autocast(tutel_forward, dtype), tutel_backward, tutel_layer(args, E).to(weights).train(), x,
+                      grad_y))  # (--dtype bf16: Tutel's layer in bf16 too, its gate fp32 inside: fp32_gate)
     moe_ms, dense_ms, *tutel_ms = interleaved(args, *steps)
 
     moe_saved, moe_malloc = saved_activation_bytes(moe_fwd, layer, x)

@@ -289,7 +289,8 @@ def generate(a, data_bin, checkpoint, out_dir, extra_args=()):
         "--max-len-a", "1.2", "--max-len-b", "10",
         "--results-path", str(out_dir),
         "--log-format", "simple", "--num-workers", "0",
-    ] + (["--cpu"] if a.device == "cpu" else []) + (["--bf16"] if getattr(a, "bf16", False) else [])
+    ] + (["--cpu"] if a.device == "cpu" else []) + (["--bf16"] if getattr(a, "bf16", False) else []) + (
+        ["--fp16"] if getattr(a, "fp16", False) else [])  # (decoding in the precision the models trained in)
     run_logged(cmd, out_dir / "generate.log")
     hyps = {}
     # fairseq batches by length; the H-<id> lines give the original order.
