@@ -110,8 +110,9 @@ PATCHES = (
           "update's RMS mix the experts): here each expert is stepped as its own, so its state cuts per expert",
           wraps=True),
     Patch("fairseq.optim.adam:Adam", "step", "fairseq_moe.hooks.adam:adam_step",
-          "its six whole-tensor operations per parameter stream a stacked expert tensor through memory six times "
-          "and allocate its size anew: on the CPU, fp32, torch's fused AdamW kernel with fairseq's arithmetic (adam.py)",
+          "its seven whole-tensor operations per parameter stream a stacked expert tensor through memory seven "
+          "times and allocate its size anew: in an optimizer with experts, on the CPU, fp32, torch's fused AdamW "
+          "kernel with fairseq's arithmetic (adam.py); a dense run's steps are fairseq's own",
           wraps=True),
     Patch("torch.serialization", "_safe_globals", "fairseq_moe.checkpoints.safe_load:register_safe_globals",
           "argparse.Namespace, which fairseq 0.12 pickles, loads with weights_only=True (torch >= 2.6)",

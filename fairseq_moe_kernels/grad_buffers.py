@@ -1,4 +1,6 @@
-"""Weight-gradient buffers that a backward takes again once nothing else holds them (the torch backend's, on the CPU).
+"""Weight-gradient buffers that a backward takes again once nothing else holds them (the torch backend's, on the CPU),
+and the same for the [N, f] tensors of an expert layer's step (fc1's output, which backward keeps; fc2's input
+gradient).
 
 fairseq's zero_grad and torch's (set_to_none) drop every .grad each step, and the next backward allocates them again:
 at E = 128, d = 512, f = 2048 that is 1 GiB of expert weight gradients a step. glibc maps every block over its mmap
@@ -12,8 +14,12 @@ holds as the weight's .grad without copying it, so .grad is that view. The kept 
 its storage is held by this module alone: then no .grad, optimizer, view or copy-on-write alias can see it being
 overwritten. (A bare storage object held from Python, `w.grad.untyped_storage()`, does not count as a holder: a
 caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is) and die with it; a weight
-that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor.
+that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor. The [N, f] tensors are kept under
+the weight whose GEMM writes them (w1, w2: one slot set per layer) and change size with N only where tokens are
+dropped; at T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost more than its elementwise
+operations (benchmarks/README.md).
 """
+import math
 import threading
 
 import torch
@@ -23,29 +29,43 @@ MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller blocks come ba
 SLOTS = 2  # per weight and shape: one held as .grad, one for a backward that adds to it (--update-freq > 1)
 
 _lock = threading.Lock()  # (two threads' backwards through one weight must not get one buffer)
-_kept = WeakIdKeyDictionary()  # weight -> {(shape, dtype, device): [(kept tensor, its storage's use count alone)]}
+_kept = WeakIdKeyDictionary()  # weight -> {(shape or ("rows", width), dtype, device): [(kept 1-d tensor, its
+#                                  storage's use count alone)]}
 
 
 def _users(t):
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def empty(like, shape):
-    """An uninitialised tensor of `shape`, like's dtype and device, for a gradient of weight `like`: a kept buffer
-    that nothing holds any more where `like` is a large CPU parameter, else a new one."""
-    shape = torch.Size(shape)
+def empty(like, shape, dtype=None):
+    """An uninitialised tensor of `shape` and dtype (like's by default) on like's device, for a gradient of weight
+    `like`: a kept buffer that nothing holds any more where `like` is a large CPU parameter, else a new one."""
+    return _take(like, torch.Size(shape), dtype or like.dtype, shape)
+
+
+def rows(like, n, width, dtype):
+    """An uninitialised [n, width] tensor of dtype on like's device for an activation of weight `like`'s layer: the
+    first n * width elements of a kept buffer (slots per width and dtype, each as large as the largest n asked, so
+    that a number of rows that changes every step, as with a capacity, keeps at most SLOTS buffers)."""
+    return _take(like, ("rows", width), dtype, (n, width))
+
+
+def _take(like, key, dtype, shape):
+    numel = math.prod(shape)
     if (like.device.type != "cpu" or not like.is_leaf or not like.requires_grad
-            or shape.numel() * like.element_size() < MIN_BYTES):
-        return like.new_empty(shape)
+            or numel * dtype.itemsize < MIN_BYTES):
+        return like.new_empty(shape, dtype=dtype)
     with _lock:
-        slots = _kept.setdefault(like, {}).setdefault((shape, like.dtype, like.device), [])
-        for kept, alone in slots:
-            if _users(kept) == alone:
-                return kept.view(shape)
-        new = like.new_empty(shape)
-        if len(slots) >= SLOTS:
-            return new
-        slots.append((new, _users(new)))
+        slots = _kept.setdefault(like, {}).setdefault((key, dtype, like.device), [])
+        free = [i for i, (kept, alone) in enumerate(slots) if _users(kept) == alone]
+        for i in free:
+            if slots[i][0].numel() >= numel:
+                return slots[i][0].view(-1)[:numel].view(shape)
+        new = like.new_empty(numel, dtype=dtype)
+        if free:  # (a free one too small for these rows: the larger one in its place)
+            slots[free[0]] = (new, _users(new))
+        elif len(slots) < SLOTS:
+            slots.append((new, _users(new)))
         return new.view(shape)
 
 

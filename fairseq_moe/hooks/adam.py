@@ -1,39 +1,63 @@
-"""fairseq's Adam step on the CPU as one pass over memory: torch's fused AdamW kernel, with fairseq's arithmetic.
+"""fairseq's Adam step on the CPU as one pass over memory, in MoE runs: torch's fused AdamW kernel, with fairseq's
+arithmetic.
 
 fairseq's Adam (fairseq.optim.adam.Adam: what --optimizer adam runs without apex's FusedAdam) updates each
-parameter with six whole-tensor operations (two on the first moment, two on the second, sqrt and its eps into a
-new tensor, the update), plus one for weight decay. For a stacked expert tensor of 32 experts at d = 512, f = 2048
+parameter with seven whole-tensor operations (two on the first moment, two on the second, sqrt and its eps into a
+new tensor, the update; one more for weight decay). For a stacked expert tensor of 32 experts at d = 512, f = 2048
 (134 MB) each of them streams the tensor through memory again, and the sqrt allocates its size anew: 0.14 s per
 update for the 67 M expert parameters of bench_fairseq_train.py's MoE layer on one core (torch 2.13), 7% of an
-fp32 update and 16% of a bf16 one. torch's fused kernel (`torch._fused_adamw_`, what torch.optim.AdamW(fused=True)
-runs) reads and writes each element once: 0.014 s for the same tensors.
+fp32 update and 16% of a bf16 one (2026-12-04). torch's fused kernel (`torch._fused_adamw_`, what
+torch.optim.AdamW(fused=True) runs) reads and writes each element once: 0.014 s for the same tensors.
 
 fairseq's step is AdamW's with the bias correction of the second moment outside the eps:
     p <- p - lr * wd * p;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
     p <- p - lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
 torch's kernel divides by sqrt(v) / sqrt(1 - b2^t) + eps', which is fairseq's denominator when eps' = eps /
 sqrt(1 - b2^t): each call passes that (amsgrad: the running maximum of v in its place, as in both). The values are
-fairseq's up to float rounding, not to the bit (the kernel fuses the multiplications): the tests compare both with
-fairseq's own code run in float64. Parameters stepped this way: fp32 ones with an fp32 dense gradient and state, on
-the CPU; any other (a bf16 one of --memory-efficient-bf16, whose fp32 state is fairseq's; a sparse gradient; CUDA,
-where no run of this kernel has been checked here) goes through fairseq's own step, unchanged, in the same call.
-The state keeps fairseq's names and types (an int "step"), so a checkpoint moves between either step.
+fairseq's up to float rounding, not to the bit (the kernel fuses multiplications, and rounds a tensor's last few
+elements, past its vector width, apart): the tests compare both with fairseq's own code run in float64.
+
+Which optimizers: those holding an expert's parameter (`.expert`, which fairseq's fp32 master copies keep), so a
+dense run with the plugin loaded steps exactly as without it. Which parameters: plain fp32 tensors on the CPU, with
+a dense fp32 gradient and state; any other (a bf16 one of --memory-efficient-bf16, whose fp32 state is fairseq's;
+a sharded DTensor of --ddp-backend fully_sharded; a sparse gradient; CUDA, where no run of this kernel has been
+checked here) goes through fairseq's own step, unchanged, in the same call; so does everything on a torch whose
+kernel has no CPU implementation (before 2.4). The state keeps fairseq's names and types (an int "step"), so a
+checkpoint moves between either step.
 """
+import functools
 import math
 
 import torch
 
+from fairseq_moe_layer.experts import is_expert
+
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_runs():
+    """Whether torch's fused AdamW kernel runs on CPU tensors here (torch >= 2.4; before, the op exists for CUDA
+    only): tried once on one element."""
+    if not hasattr(torch, "_fused_adamw_"):
+        return False
+    param = torch.zeros(1)
+    try:
+        torch._fused_adamw_([param], [torch.ones(1)], [torch.zeros(1)], [torch.zeros(1)], [], [torch.ones(())],
+                            lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return param.item() < 0  # (a step against a gradient of 1)
+
+
 def fusable(p, state):
-    """Whether p (with its Adam state so far) takes the fused step: fp32 on the CPU, a dense fp32 gradient, state
-    (if any yet) of its shape, dtype and device, all contiguous."""
+    """Whether p (with its Adam state so far) takes the fused step: a plain fp32 tensor on the CPU, a dense fp32
+    gradient, state (if any yet) of its shape, dtype and device, all contiguous; and a kernel that runs here."""
     grad = p.grad
     tensors = [p, grad] + [state[k] for k in _MOMENTS if k in state]
-    return hasattr(torch, "_fused_adamw_") and not grad.is_sparse and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.shape == p.shape and t.is_contiguous()
-        for t in tensors)
+    return not grad.is_sparse and all(
+        type(t.data) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.float32 and t.shape == p.shape
+        and t.is_contiguous() for t in tensors) and kernel_runs()  # (type: a DTensor is a subclass)
 
 
 def _fused(params, state, group):
@@ -47,8 +71,7 @@ def _fused(params, state, group):
             s["step"] = 0
             for key in _MOMENTS[:3 if amsgrad else 2]:
                 s[key] = torch.zeros_like(p.data)
-        s["step"] += 1
-        by_step.setdefault(s["step"], []).append(p)
+        by_step.setdefault(s["step"] + 1, []).append(p)
     for t, ps in by_step.items():
         torch._fused_adamw_(
             [p.data for p in ps], [p.grad.data for p in ps], [state[p]["exp_avg"] for p in ps],
@@ -56,13 +79,18 @@ def _fused(params, state, group):
             [torch.tensor(float(t)) for _ in ps], lr=group["lr"], beta1=beta1, beta2=beta2,
             weight_decay=group["weight_decay"], eps=group["eps"] / math.sqrt(1 - beta2 ** t), amsgrad=amsgrad,
             maximize=False)
+        for p in ps:  # (counted once stepped: the kernel reads the step, it does not count it)
+            state[p]["step"] = t
 
 
 def adam_step(original):
-    """fairseq.optim.adam.Adam.step with the fused kernel for the parameters fusable() serves; the others are
-    stepped by fairseq's own code (original), in the same call."""
+    """fairseq.optim.adam.Adam.step with the fused kernel for the parameters fusable() serves, where the optimizer
+    holds an expert's parameter; the others are stepped by fairseq's own code (original), in the same call."""
+    original = getattr(original, "__wrapped__", original)  # (torch's hook wrapper, if an Adam was built before)
 
     def step(self, closure=None):
+        if not any(is_expert(p) for group in self.param_groups for p in group["params"]):
+            return original(self, closure)
         loss = closure() if closure is not None else None
         others = []
         for group in self.param_groups:

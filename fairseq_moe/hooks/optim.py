@@ -289,10 +289,10 @@ def all_finite(tensors):
     smallest and largest element (aminmax propagates NaN; an inf is its own extreme), one reduction that allocates
     nothing, where torch.isfinite(t).all() writes a bool tensor of t's size first (18x slower on a CPU core for a
     134 MB expert gradient: 0.09 s against 0.005 s)."""
-    extremes = [torch.stack(torch.aminmax(t.detach())).float() for t in tensors if t.numel()]
-    if not extremes:
+    finite = [torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all() for t in tensors if t.numel()]
+    if not finite:  # (each in its own dtype: a float64 extreme past fp32's range is no overflow)
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
-    return torch.isfinite(torch.cat(extremes)).all()
+    return torch.stack(finite).all()
 
 
 def clip_grad_norm(original):

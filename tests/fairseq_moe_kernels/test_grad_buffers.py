@@ -61,8 +61,8 @@ def test_a_dropped_grad_buffer_is_taken_again_with_the_right_values():
         w.grad = None  # fairseq's zero_grad, torch's set_to_none
     backward(ws, rows(2))
     assert [w.grad.data_ptr() for w in ws] == first
-    kept = {t.data_ptr() for per_weight in grad_buffers._kept.values() for slots in per_weight.values()
-            for t, _ in slots}
+    kept = {t.data_ptr() for per_weight in grad_buffers._kept.values() for (key, _, _), slots in per_weight.items()
+            if key[0] != "rows" for t, _ in slots}  # (the gradients' slots; the layer's [N, f] rows have their own)
     assert {w.grad.data_ptr() for w in ws} == kept  # (not malloc handing back the freed block)
     for w, want in zip(ws, loop_grads(ws, rows(2))):
         torch.testing.assert_close(w.grad, want)
@@ -123,3 +123,48 @@ def test_the_buffers_die_with_their_weight():
     del ws
     gc.collect()
     assert len(grad_buffers._kept) == 0
+
+
+def plain_forward(ws, x, counts):
+    w1, b1, w2, b2 = ws
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        out.append(F.linear(F.relu(F.linear(x[start:start + n], w1[e].t(), b1[e])), w2[e].t(), b2[e]))
+        start += n
+    return torch.cat(out)
+
+
+def test_the_layers_rows_are_never_shared_by_two_pending_steps():
+    """fc1's output is kept for backward: two forwards before either backward (two micro-batches' graphs) each get
+    their own, and both backwards give the loop's gradients; after them the rows' buffers are taken again."""
+    ws = weights()
+    x1, x2 = rows(1), rows(2)
+    y1, y2 = (reference.grouped_mlp(x, COUNTS, *ws) for x in (x1, x2))
+    ((y1 + y2) * upstream(x1)).sum().backward()
+    for w, a, b in zip(ws, loop_grads(ws, x1), loop_grads(ws, x2)):
+        torch.testing.assert_close(w.grad, a + b)
+    kept = {t.data_ptr() for per_weight in grad_buffers._kept.values() for (key, _, _), slots in per_weight.items()
+            if key[0] == "rows" for t, _ in slots}
+    assert len(kept) == 3  # fc1's output twice (two graphs at once), fc2's input gradient once (one at a time)
+    for w in ws:
+        w.grad = None
+    backward(ws, rows(3))
+    assert kept == {t.data_ptr() for per_weight in grad_buffers._kept.values()
+                    for (key, _, _), slots in per_weight.items() if key[0] == "rows" for t, _ in slots}
+
+
+def test_rows_that_change_in_number_keep_at_most_the_slots():
+    """A capacity makes N change every step: the rows' buffers stay at most SLOTS per weight, each grown to the
+    largest N, and every step's output is the plain loop's."""
+    ws = weights()
+    for counts in ([1, 0, 1], [4, 2, 3], [2, 2, 0], [5, 5, 5], [1, 1, 1]):
+        counts = torch.tensor(counts)
+        x = torch.randn(int(counts.sum()), D, generator=torch.Generator().manual_seed(int(counts.sum())))
+        y = reference.grouped_mlp(x, counts, *ws)
+        torch.testing.assert_close(y, plain_forward(ws, x, counts))
+        y.sum().backward()
+    for per_weight in grad_buffers._kept.values():
+        for (key, _, _), slots in per_weight.items():
+            assert len(slots) <= grad_buffers.SLOTS
+            if key[0] == "rows":
+                assert max(t.numel() for t, _ in slots) == 15 * key[1]
