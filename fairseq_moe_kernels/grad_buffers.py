@@ -14,10 +14,13 @@ holds as the weight's .grad without copying it, so .grad is that view. The kept 
 its storage is held by this module alone: then no .grad, optimizer, view or copy-on-write alias can see it being
 overwritten. (A bare storage object held from Python, `w.grad.untyped_storage()`, does not count as a holder: a
 caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is) and die with it; a weight
-that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor. The [N, f] tensors are kept under
-the weight whose GEMM writes them (w1, w2: one slot set per layer) and change size with N only where tokens are
-dropped; at T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost more than its elementwise
-operations (benchmarks/README.md).
+that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor, and so does anything asked for
+under torch.inference_mode. The [N, f] tensors: fc1's output, which a layer's backward keeps, under the layer's w1
+(each layer holds its own from forward to backward, and keeps it between steps: the memory its backward held
+anyway, at the largest N seen); fc2's input gradient, which lives within one layer's backward, in one set of slots
+for every layer. N changes with the batch's tokens and with drops, and a kept buffer grows to the largest; at
+T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost more than its elementwise operations
+(benchmarks/README.md).
 """
 import math
 import threading
@@ -29,6 +32,7 @@ MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller blocks come ba
 SLOTS = 2  # per weight and shape: one held as .grad, one for a backward that adds to it (--update-freq > 1)
 
 _lock = threading.Lock()  # (two threads' backwards through one weight must not get one buffer)
+_shared = {}  # the same, for every layer's shared rows (rows(shared=True))
 _kept = WeakIdKeyDictionary()  # weight -> {(shape or ("rows", width), dtype, device): [(kept 1-d tensor, its
 #                                  storage's use count alone)]}
 
@@ -43,20 +47,21 @@ def empty(like, shape, dtype=None):
     return _take(like, torch.Size(shape), dtype or like.dtype, shape)
 
 
-def rows(like, n, width, dtype):
+def rows(like, n, width, dtype, shared=False):
     """An uninitialised [n, width] tensor of dtype on like's device for an activation of weight `like`'s layer: the
     first n * width elements of a kept buffer (slots per width and dtype, each as large as the largest n asked, so
-    that a number of rows that changes every step, as with a capacity, keeps at most SLOTS buffers)."""
-    return _take(like, ("rows", width), dtype, (n, width))
+    that a number of rows that changes every step, with the batch's tokens or a capacity, keeps at most SLOTS
+    buffers). shared: the slots are every layer's (a tensor that lives within one layer's backward), not like's."""
+    return _take(like, ("rows", width), dtype, (n, width), _shared if shared else None)
 
 
-def _take(like, key, dtype, shape):
+def _take(like, key, dtype, shape, pool=None):
     numel = math.prod(shape)
-    if (like.device.type != "cpu" or not like.is_leaf or not like.requires_grad
-            or numel * dtype.itemsize < MIN_BYTES):
+    if (like.device.type != "cpu" or not like.is_leaf or not like.requires_grad or torch.is_inference_mode_enabled()
+            or numel * dtype.itemsize < MIN_BYTES):  # (inference tensors cannot be written outside inference mode)
         return like.new_empty(shape, dtype=dtype)
     with _lock:
-        slots = _kept.setdefault(like, {}).setdefault((key, dtype, like.device), [])
+        slots = (_kept.setdefault(like, {}) if pool is None else pool).setdefault((key, dtype, like.device), [])
         free = [i for i, (kept, alone) in enumerate(slots) if _users(kept) == alone]
         for i in free:
             if slots[i][0].numel() >= numel:
@@ -72,3 +77,4 @@ def _take(like, key, dtype, shape):
 def release():
     """Drop every kept buffer (their memory goes back to malloc once no .grad holds it)."""
     _kept.clear()
+    _shared.clear()

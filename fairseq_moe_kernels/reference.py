@@ -141,7 +141,7 @@ def _fc2_backward(a, gy, sizes, w2, need_w2, need_b2, row_scale=None):
     """
     gw2 = _grad_buffer(w2, w2.shape, sizes) if need_w2 else None
     gb2 = _grad_buffer(w2, (w2.shape[0], w2.shape[2]), sizes) if need_b2 else None
-    da = grad_buffers.rows(w2, a.shape[0], a.shape[1], a.dtype)  # [N, f]
+    da = grad_buffers.rows(w2, a.shape[0], a.shape[1], a.dtype, shared=True)  # [N, f]
     for e, s, t in _blocks(sizes):
         g = gy[s:t] if row_scale is None else gy[s:t] * row_scale[s:t]
         if need_w2:

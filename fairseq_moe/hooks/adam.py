@@ -41,9 +41,11 @@ def kernel_runs():
     only): tried once on one element."""
     if not hasattr(torch, "_fused_adamw_"):
         return False
-    param = torch.zeros(1)
+    cpu = dict(device="cpu", dtype=torch.float32)
+    param = torch.zeros(1, **cpu)
     try:
-        torch._fused_adamw_([param], [torch.ones(1)], [torch.zeros(1)], [torch.zeros(1)], [], [torch.ones(())],
+        torch._fused_adamw_([param], [torch.ones(1, **cpu)], [torch.zeros(1, **cpu)], [torch.zeros(1, **cpu)], [],
+                            [torch.ones((), **cpu)],
                             lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
     except (RuntimeError, NotImplementedError):
         return False
@@ -86,7 +88,8 @@ def _fused(params, state, group):
 def adam_step(original):
     """fairseq.optim.adam.Adam.step with the fused kernel for the parameters fusable() serves, where the optimizer
     holds an expert's parameter; the others are stepped by fairseq's own code (original), in the same call."""
-    original = getattr(original, "__wrapped__", original)  # (torch's hook wrapper, if an Adam was built before)
+    if getattr(original, "hooked", False):  # (torch's hook wrapper, there if an Adam was built before the patch)
+        original = original.__wrapped__
 
     def step(self, closure=None):
         if not any(is_expert(p) for group in self.param_groups for p in group["params"]):

@@ -134,6 +134,12 @@ def plain_forward(ws, x, counts):
     return torch.cat(out)
 
 
+def row_buffers():
+    """The addresses of the kept [N, f] rows: each weight's (fc1's output) and the shared ones (fc2's input gradient)."""
+    pools = [*grad_buffers._kept.values(), grad_buffers._shared]
+    return {t.data_ptr() for pool in pools for (key, _, _), slots in pool.items() if key[0] == "rows" for t, _ in slots}
+
+
 def test_the_layers_rows_are_never_shared_by_two_pending_steps():
     """fc1's output is kept for backward: two forwards before either backward (two micro-batches' graphs) each get
     their own, and both backwards give the loop's gradients; after them the rows' buffers are taken again."""
@@ -143,14 +149,12 @@ def test_the_layers_rows_are_never_shared_by_two_pending_steps():
     ((y1 + y2) * upstream(x1)).sum().backward()
     for w, a, b in zip(ws, loop_grads(ws, x1), loop_grads(ws, x2)):
         torch.testing.assert_close(w.grad, a + b)
-    kept = {t.data_ptr() for per_weight in grad_buffers._kept.values() for (key, _, _), slots in per_weight.items()
-            if key[0] == "rows" for t, _ in slots}
+    kept = row_buffers()
     assert len(kept) == 3  # fc1's output twice (two graphs at once), fc2's input gradient once (one at a time)
     for w in ws:
         w.grad = None
     backward(ws, rows(3))
-    assert kept == {t.data_ptr() for per_weight in grad_buffers._kept.values()
-                    for (key, _, _), slots in per_weight.items() if key[0] == "rows" for t, _ in slots}
+    assert row_buffers() == kept
 
 
 def test_rows_that_change_in_number_keep_at_most_the_slots():
@@ -163,8 +167,55 @@ def test_rows_that_change_in_number_keep_at_most_the_slots():
         y = reference.grouped_mlp(x, counts, *ws)
         torch.testing.assert_close(y, plain_forward(ws, x, counts))
         y.sum().backward()
-    for per_weight in grad_buffers._kept.values():
-        for (key, _, _), slots in per_weight.items():
+    for pool in [*grad_buffers._kept.values(), grad_buffers._shared]:
+        for (key, _, _), slots in pool.items():
             assert len(slots) <= grad_buffers.SLOTS
             if key[0] == "rows":
                 assert max(t.numel() for t, _ in slots) == 15 * key[1]
+
+
+def test_nothing_is_kept_under_inference_mode():
+    """A buffer made under torch.inference_mode would be an inference tensor, which no later training step could
+    write: none is kept there, and a training step after one runs and keeps its own."""
+    ws = weights()
+    with torch.inference_mode():
+        y = reference.grouped_mlp(rows(1), COUNTS, *ws)
+    assert len(grad_buffers._kept) == 0 and len(grad_buffers._shared) == 0
+    torch.testing.assert_close(y, plain_forward(ws, rows(1), COUNTS))
+    backward(ws, rows(2))
+    for w, want in zip(ws, loop_grads(ws, rows(2))):
+        torch.testing.assert_close(w.grad, want)
+    assert len(grad_buffers._kept) == 2
+
+
+@pytest.mark.parametrize("activation,p", [("relu", 0.0), ("gelu", 0.0), ("relu", 0.3)])
+def test_moe_mlp_with_kept_rows_is_the_run_without_them(activation, p, monkeypatch):
+    """The layer's fused op (gather, experts, weighted scatter) over steps whose number of rows changes, with every
+    buffer kept against every buffer new: the same output and the same gradients of x, the routing weights and the
+    expert weights, to the bit."""
+    def steps():
+        ws = weights()
+        got = []
+        for seed, counts in enumerate(([2, 0, 3], [4, 1, 2], [1, 1, 0], [3, 3, 3])):
+            g = torch.Generator().manual_seed(seed)
+            counts = torch.tensor(counts)
+            x = torch.randn(6, D, generator=g, requires_grad=True)
+            token_index = torch.randint(0, 6, (int(counts.sum()),), generator=g)
+            weights_ = torch.rand(int(counts.sum()), generator=g, requires_grad=True)
+            torch.manual_seed(seed)  # (the same dropout mask in both runs)
+            out = reference.moe_mlp(x, token_index, weights_, counts, *ws, activation, p)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            got.append([out.detach(), x.grad, weights_.grad, *(w.grad.clone() for w in ws)])
+            for w in ws:
+                w.grad = None
+        return got, len(grad_buffers._kept), len(grad_buffers._shared)
+
+    kept, weights_kept, shared = steps()
+    assert (weights_kept, shared) == (2, 1)  # (w1 and w2 each with its own slots; fc2's input gradient shared)
+    monkeypatch.setattr(grad_buffers, "MIN_BYTES", 10**12)
+    grad_buffers.release()
+    fresh, weights_kept, shared = steps()
+    assert (weights_kept, shared) == (0, 0)
+    for a, b in zip(kept, fresh):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

@@ -113,3 +113,13 @@ def test_fairseq_trains_with_the_fused_step():
     from fairseq.optim.adam import Adam
 
     assert Adam.step is not fairseq_step() and Adam.step.__qualname__.startswith("adam_step")
+
+
+def test_where_torchs_cpu_kernel_does_not_run_every_step_is_fairseqs(monkeypatch):
+    """torch < 2.4 has the fused op for CUDA only (kernel_runs() probes it): fairseq's step, to the bit."""
+    monkeypatch.setattr(adam, "kernel_runs", lambda: False)
+    ours, theirs = _params(4, SHAPES), _params(4, SHAPES)
+    opt = _train(adam.adam_step(fairseq_step()), ours, dict(lr=0.01))
+    _train(fairseq_step(), theirs, dict(lr=0.01))
+    assert not any(adam.fusable(p, opt.state[p]) for p in ours)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

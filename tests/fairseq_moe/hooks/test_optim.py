@@ -390,6 +390,12 @@ def test_all_finite_sees_a_bad_element_anywhere(dtype):
                 assert all_finite(spoiled).item() is False and not all(torch.isfinite(u).all() for u in spoiled)
 
 
+def test_all_finite_takes_each_tensor_in_its_own_dtype():
+    from fairseq_moe.hooks.optim import all_finite
+
+    assert all_finite([torch.tensor([1e300, -1e300], dtype=torch.float64), torch.ones(3)]).item()
+
+
 def _overflow_on_one_rank(rank, W):
     from fairseq import utils
 
