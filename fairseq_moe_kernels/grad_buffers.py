@@ -16,9 +16,10 @@ overwritten. (A bare storage object held from Python, `w.grad.untyped_storage()`
 caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is) and die with it; a weight
 that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor, and so does anything asked for
 under torch.inference_mode. The [N, f] tensors: fc1's output, which a layer's backward keeps, under the layer's w1
-(each layer holds its own from forward to backward, and keeps it between steps: the memory its backward held
-anyway, at the largest N seen); fc2's input gradient, which lives within one layer's backward, in one set of slots
-for every layer. N changes with the batch's tokens and with drops, and a kept buffer grows to the largest; at
+(each layer holds its own from forward to backward, and keeps it between steps, through the optimizer's step and
+validation too, at the largest N it was taken for in training or evaluation); fc2's input gradient, which lives
+within one layer's backward, in one set of slots for every layer (`_shared`: these outlive the model, until
+release(); a buffer is handed to one holder at a time by its use count, whoever asks). N changes with the batch's tokens and with drops, and a kept buffer grows to the largest; at
 T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost more than its elementwise operations
 (benchmarks/README.md).
 """
