@@ -13,15 +13,17 @@ A gradient is handed out as a fresh view of a kept tensor: autograd's Accumulate
 holds as the weight's .grad without copying it, so .grad is that view. The kept tensor is handed out again only when
 its storage is held by this module alone: then no .grad, optimizer, view or copy-on-write alias can see it being
 overwritten. (A bare storage object held from Python, `w.grad.untyped_storage()`, does not count as a holder: a
-caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is) and die with it; a weight
-that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor, and so does anything asked for
-under torch.inference_mode. The [N, f] tensors: fc1's output, which a layer's backward keeps, under the layer's w1
-(each layer holds its own from forward to backward, and keeps it between steps, through the optimizer's step and
-validation too, at the largest N it was taken for in training or evaluation); fc2's input gradient, which lives
-within one layer's backward, in one set of slots for every layer (`_shared`: these outlive the model, until
-release(); a buffer is handed to one holder at a time by its use count, whoever asks). N changes with the batch's tokens and with drops, and a kept buffer grows to the largest; at
-T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost more than its elementwise operations
-(benchmarks/README.md).
+caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is)
+and die with it; a weight that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor, and so
+does anything asked for under torch.inference_mode.
+
+The [N, f] tensors: fc1's output, which a layer's backward keeps, under the layer's w1 (each layer holds its own
+from forward to backward, and keeps it between steps, through the optimizer's step and validation too, at the
+largest N it was taken for in training or evaluation); fc2's input gradient, which lives within one layer's
+backward, in one set of slots for every layer (`_shared`: these outlive the model, until release(); a buffer goes
+to one holder at a time by its use count, whoever asks). N changes with the batch's tokens and with drops, and a
+kept buffer grows to the largest; at T = 16384, top-2, f = 2048 each is 128 MiB in bf16, whose fresh pages cost
+more than its elementwise operations (benchmarks/README.md).
 """
 import math
 import threading
@@ -30,29 +32,29 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller blocks come back from its heap without page faults
-SLOTS = 2  # per weight and shape: one held as .grad, one for a backward that adds to it (--update-freq > 1)
+SLOTS = 2  # per key: a gradient held as .grad and one for a backward that adds to it; rows of two pending graphs
 
-_lock = threading.Lock()  # (two threads' backwards through one weight must not get one buffer)
-_shared = {}  # the same, for every layer's shared rows (rows(shared=True))
-_kept = WeakIdKeyDictionary()  # weight -> {(shape or ("rows", width), dtype, device): [(kept 1-d tensor, its
-#                                  storage's use count alone)]}
+_lock = threading.Lock()  # (two threads' backwards must not get one buffer)
+# weight -> {(shape, or ("rows", width), dtype, device): [(kept 1-d tensor, its storage's use count alone)]}
+_kept = WeakIdKeyDictionary()
+_shared = {}  # the same keys, for every layer's rows (rows(shared=True))
 
 
 def _users(t):
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def empty(like, shape, dtype=None):
-    """An uninitialised tensor of `shape` and dtype (like's by default) on like's device, for a gradient of weight
-    `like`: a kept buffer that nothing holds any more where `like` is a large CPU parameter, else a new one."""
-    return _take(like, torch.Size(shape), dtype or like.dtype, shape)
+def empty(like, shape):
+    """An uninitialised tensor of `shape`, like's dtype and device, for a gradient of weight `like`: a kept buffer
+    that nothing holds any more where `like` is a large CPU parameter, else a new one."""
+    return _take(like, torch.Size(shape), like.dtype, shape)
 
 
 def rows(like, n, width, dtype, shared=False):
-    """An uninitialised [n, width] tensor of dtype on like's device for an activation of weight `like`'s layer: the
-    first n * width elements of a kept buffer (slots per width and dtype, each as large as the largest n asked, so
-    that a number of rows that changes every step, with the batch's tokens or a capacity, keeps at most SLOTS
-    buffers). shared: the slots are every layer's (a tensor that lives within one layer's backward), not like's."""
+    """An uninitialised [n, width] tensor of dtype on like's device for a tensor of weight `like`'s layer step: the
+    first n * width elements of a kept buffer (slots per width and dtype, each as large as the largest n it was
+    taken for, so that a number of rows that changes every step, with the batch's tokens or a capacity, keeps at
+    most SLOTS buffers). shared: the slots are every layer's (a tensor that lives within one layer's backward)."""
     return _take(like, ("rows", width), dtype, (n, width), _shared if shared else None)
 
 

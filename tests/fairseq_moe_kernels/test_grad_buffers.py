@@ -135,7 +135,8 @@ def plain_forward(ws, x, counts):
 
 
 def row_buffers():
-    """The addresses of the kept [N, f] rows: each weight's (fc1's output) and the shared ones (fc2's input gradient)."""
+    """The addresses of the kept [N, f] rows: each weight's (fc1's output) and the shared ones (fc2's input
+    gradient)."""
     pools = [*grad_buffers._kept.values(), grad_buffers._shared]
     return {t.data_ptr() for pool in pools for (key, _, _), slots in pool.items() if key[0] == "rows" for t, _ in slots}
 
