@@ -14,8 +14,12 @@ holds as the weight's .grad without copying it, so .grad is that view. The kept 
 its storage is held by this module alone: then no .grad, optimizer, view or copy-on-write alias can see it being
 overwritten. (A bare storage object held from Python, `w.grad.untyped_storage()`, does not count as a holder: a
 caller that keeps one must copy it.) Buffers are kept per weight (a parameter, whose object autograd saves as is)
-and die with it; a weight that is a temporary (autocast's cast, FSDP's flat views) gets a plain new tensor, and so
-does anything asked for under torch.inference_mode.
+and die with it; a weight that is a temporary (FSDP's flat views, any cast but cast()'s) gets a plain new tensor,
+and so does anything asked for under torch.inference_mode.
+
+Under autocast the experts' fp32 weights are cast to bf16 each step (experts.py): cast() makes that cast into a
+kept buffer of the weight's, whose gradient in bf16 comes from one set of slots for every layer and goes back into
+the weight's own fp32 gradient buffer; a buffer asked for the cast (its gradient, fc1's output) is the weight's.
 
 The [N, f] tensors: fc1's output, which a layer's backward keeps, under the layer's w1 (each layer holds its own
 from forward to backward, and keeps it between steps, through the optimizer's step and validation too, at the
@@ -29,6 +33,7 @@ import math
 import threading
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller blocks come back from its heap without page faults
@@ -38,6 +43,7 @@ _lock = threading.Lock()  # (two threads' backwards must not get one buffer)
 # weight -> {(shape, or ("rows", width), dtype, device): [(kept 1-d tensor, its storage's use count alone)]}
 _kept = WeakIdKeyDictionary()
 _shared = {}  # the same keys, for every layer's rows (rows(shared=True))
+_origin = WeakIdKeyDictionary()  # cast(weight) -> weight, while the cast lives
 
 
 def _users(t):
@@ -46,8 +52,47 @@ def _users(t):
 
 def empty(like, shape):
     """An uninitialised tensor of `shape`, like's dtype and device, for a gradient of weight `like`: a kept buffer
-    that nothing holds any more where `like` is a large CPU parameter, else a new one."""
-    return _take(like, torch.Size(shape), like.dtype, shape)
+    that nothing holds any more where `like` is a large CPU parameter or cast(parameter), else a new one."""
+    weight = _of(like)  # (a cast's gradient lives only until cast's backward copies it: one set for all layers)
+    return _take(weight, torch.Size(shape), like.dtype, shape, _shared if weight is not like else None)
+
+
+def cast(weight, dtype):
+    """weight.to(dtype) as autograd sees it (its gradient comes back in weight's dtype), into kept buffers where
+    weight is a large CPU parameter: the cast, its gradient in dtype, and the gradient in weight's dtype, none
+    allocated anew each step (what autocast's casts of an [E, d, f] weight cost: a fresh cast allocated and
+    faulted in each forward, fresh gradients each backward, 4x the kept copies' time at E = 128, d = 512,
+    f = 2048). empty() and rows() for the cast take the weight's buffers."""
+    if weight.dtype == dtype or type(weight) not in (torch.Tensor, torch.nn.Parameter) or not _keepable(
+            weight, weight.numel() * dtype.itemsize):
+        return weight.to(dtype)
+    return _Cast.apply(weight, dtype)
+
+
+class _Cast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, dtype):
+        ctx.weight = weight
+        out = _take(weight, ("cast", weight.shape), dtype, weight.shape).copy_(weight)
+        with _lock:
+            _origin[out] = weight
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        weight = ctx.weight
+        return _take(weight, weight.shape, weight.dtype, weight.shape).copy_(grad), None
+
+
+def _of(like):
+    """The parameter whose buffers serve `like`: the parameter cast() made it from, or itself."""
+    return _origin.get(like, like)
+
+
+def _keepable(like, nbytes):
+    return (like.device.type == "cpu" and like.is_leaf and like.requires_grad
+            and not torch.is_inference_mode_enabled() and nbytes >= MIN_BYTES)
 
 
 def rows(like, n, width, dtype, shared=False):
@@ -55,13 +100,12 @@ def rows(like, n, width, dtype, shared=False):
     first n * width elements of a kept buffer (slots per width and dtype, each as large as the largest n it was
     taken for, so that a number of rows that changes every step, with the batch's tokens or a capacity, keeps at
     most SLOTS buffers). shared: the slots are every layer's (a tensor that lives within one layer's backward)."""
-    return _take(like, ("rows", width), dtype, (n, width), _shared if shared else None)
+    return _take(_of(like), ("rows", width), dtype, (n, width), _shared if shared else None)
 
 
 def _take(like, key, dtype, shape, pool=None):
     numel = math.prod(shape)
-    if (like.device.type != "cpu" or not like.is_leaf or not like.requires_grad or torch.is_inference_mode_enabled()
-            or numel * dtype.itemsize < MIN_BYTES):  # (inference tensors cannot be written outside inference mode)
+    if not _keepable(like, numel * dtype.itemsize):  # (inference tensors cannot be written outside inference mode)
         return like.new_empty(shape, dtype=dtype)
     with _lock:
         slots = (_kept.setdefault(like, {}) if pool is None else pool).setdefault((key, dtype, like.device), [])
@@ -81,3 +125,4 @@ def release():
     """Drop every kept buffer (their memory goes back to malloc once no .grad holds it)."""
     _kept.clear()
     _shared.clear()
+    _origin.clear()

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from fairseq_moe_kernels import reference
+from fairseq_moe_kernels import grad_buffers, reference
 
 
 def is_expert(p):
@@ -104,7 +104,7 @@ class Experts(nn.Module):
         custom autograd Functions and their backward too); the casts carry the gradients back to the weights'
         dtype, as autocast's own casts do."""
         dtype = self.compute_dtype(x)
-        w1, b1, w2, b2 = (w.to(dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
+        w1, b1, w2, b2 = (grad_buffers.cast(w, dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
         with autocast_off(x.device.type):
             return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p())
 

@@ -220,3 +220,64 @@ def test_moe_mlp_with_kept_rows_is_the_run_without_them(activation, p, monkeypat
     for a, b in zip(kept, fresh):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def cast_steps(cast, pending=1, steps=3, accumulate=False):
+    """`steps` steps of grouped_mlp over weights cast to bf16 by cast(w, dtype), `pending` forwards before each
+    backward; the weights change in place between steps (an optimizer's step) -> (per step [outputs, .grads], the
+    dtypes of the buffers kept for the weights)."""
+    ws = weights()
+    got = []
+    for step in range(steps):
+        xs = [rows(10 * step + i).bfloat16() for i in range(pending)]
+        outs = [reference.grouped_mlp(x, COUNTS, *(cast(w, torch.bfloat16) for w in ws)) for x in xs]
+        (sum(outs).float() * upstream(xs[0])).sum().backward()
+        got.append([*(y.detach() for y in outs), *(w.grad.clone() for w in ws)])
+        with torch.no_grad():
+            for w in ws:
+                w.mul_(0.5).add_(w.grad)
+                if not accumulate:
+                    w.grad = None
+    return got, {dtype for per_weight in grad_buffers._kept.values() for (_, dtype, _) in per_weight}
+
+
+@pytest.mark.parametrize("pending,accumulate", [(1, False), (2, False), (1, True)])
+def test_a_kept_cast_is_the_plain_cast_in_value_and_gradient(pending, accumulate):
+    """cast() (autocast's casts of the experts' weights, into kept buffers) against Tensor.to: the same outputs and
+    fp32 gradients to the bit over steps that change the weights, with two graphs pending at once, and with
+    gradients accumulated over steps."""
+    kept, dtypes = cast_steps(grad_buffers.cast, pending, accumulate=accumulate)
+    assert dtypes == {torch.bfloat16, torch.float32}  # (the casts and rows; the fp32 gradients of w1 and w2)
+    plain, dtypes = cast_steps(lambda w, dtype: w.to(dtype), pending, accumulate=accumulate)
+    assert dtypes == set()
+    for a, b in zip(kept, plain):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_a_kept_cast_is_taken_again_only_when_free():
+    ws = weights()
+    w1 = ws[0]
+    first = grad_buffers.cast(w1, torch.bfloat16)
+    held = grad_buffers.cast(w1, torch.bfloat16)  # (first still held: a second buffer)
+    assert first.data_ptr() != held.data_ptr() and torch.equal(first, w1.to(torch.bfloat16))
+    ptr = first.data_ptr()
+    del first
+    with torch.no_grad():
+        w1.add_(1)
+    again = grad_buffers.cast(w1, torch.bfloat16)
+    assert again.data_ptr() == ptr and torch.equal(again, w1.to(torch.bfloat16))
+    # the cast's gradient (fp32, the weight's dtype) comes from the weight's own kept slots
+    again.float().sum().backward()
+    assert torch.equal(w1.grad, torch.ones_like(w1))
+
+
+def test_what_is_not_kept_is_cast_plainly(monkeypatch):
+    w = weights()[0]
+    assert grad_buffers.cast(w, torch.float32) is w
+    assert type(grad_buffers.cast(w * 1, torch.bfloat16).grad_fn).__name__ == "ToCopyBackward0"  # (not a leaf)
+    with torch.inference_mode():
+        assert grad_buffers.cast(w, torch.bfloat16).grad_fn is None and len(grad_buffers._kept) == 0
+    monkeypatch.setattr(grad_buffers, "MIN_BYTES", 10**9)
+    assert type(grad_buffers.cast(w, torch.bfloat16).grad_fn).__name__ == "ToCopyBackward0"
+    assert len(grad_buffers._kept) == 0
