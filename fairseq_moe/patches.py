@@ -104,7 +104,8 @@ PATCHES = (
     Patch("fairseq.optim.fp16_optimizer:FP16Optimizer", "build_optimizer", "fairseq_moe.hooks.optim:flat_fp16_with_experts",
           "--fp16's flat fp32 copy holds every parameter in one tensor (its state cannot be cut per expert, its norm "
           "mixes the experts') and is built on torch.cuda.current_device(): with experts, the dense parameters flat "
-          "on their device and each expert tensor its own copy, the state numbered by parameter", wraps=True),
+          "on their device and each expert tensor its own copy, the state numbered by parameter; with or without the flat "
+          "copy, the experts' masters are zeroed, copied and unscaled in fewer passes (masters.py)", wraps=True),
     Patch("fairseq.optim.adafactor:FairseqAdafactor", "__init__", "fairseq_moe.hooks.optim:expert_adafactor_init",
           "--optimizer adafactor treats a stacked expert tensor as one parameter (a bias's column statistics, the "
           "update's RMS mix the experts): here each expert is stepped as its own, so its state cuts per expert",

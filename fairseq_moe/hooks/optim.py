@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from fairseq_moe_layer.experts import is_expert
 
+from .masters import ExpertMasters, expert_fp16_class
 from ..checkpoints.sets import ZERO_KEY  # in a state dict: {"world_size": W}: "state" holds one rank's entries
 from ..errors import CheckpointError
 
@@ -324,17 +325,25 @@ def clip_grad_norm(original):
 
 
 def flat_fp16_with_experts(fairseq_build):
-    """FP16Optimizer.build_optimizer (--fp16, a flat fp32 master copy): ExpertFlatFP16Optimizer where an expert's
-    parameter is among the parameters, else fairseq's."""
+    """FP16Optimizer.build_optimizer (--fp16 and --bf16, fp32 master copies) where an expert's parameter is among
+    the parameters: ExpertFlatFP16Optimizer for the flat copy (--fp16), masters.ExpertFP16Optimizer without it
+    (--bf16, --fp16-no-flatten-grads); else, and for --optimizer composite, fairseq's."""
     fairseq_build = fairseq_build.__func__  # (a classmethod in the class's __dict__)
 
     def build_optimizer(cls, cfg, params, **kwargs):
         params = list(params)
         flatten = not getattr(cfg.common, "fp16_no_flatten_grads", False) and not getattr(cfg.common, "bf16", False)
         composite = getattr(cfg.optimizer, "_name", None) == "composite"  # (its state is one dict per group)
-        if not flatten or composite or not any(is_expert(p) for p in params):
+        if composite or not any(is_expert(p) for p in params):
             return fairseq_build(cls, cfg, params, **kwargs)
-        return flat_fp16_class().build(cfg, params, **kwargs)
+        if flatten:
+            return flat_fp16_class().build(cfg, params, **kwargs)
+        from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+        from .fsdp import is_dtensor
+        if cls is FP16Optimizer and not any(is_dtensor(p) for p in params):  # (masters.py: plain tensors' masters)
+            cls = expert_fp16_class()
+        return fairseq_build(cls, cfg, params, **kwargs)
 
     return classmethod(build_optimizer)
 
@@ -348,7 +357,7 @@ def flat_fp16_class():
 
     from ..errors import CheckpointError, FlagError
 
-    class ExpertFlatFP16Optimizer(FP16Optimizer):
+    class ExpertFlatFP16Optimizer(ExpertMasters, FP16Optimizer):
         """--fp16 with its flat fp32 master copy, with experts: the dense parameters' fp32 copy is one flat tensor
         (fairseq's, built on the parameters' device: fairseq's own is on torch.cuda.current_device()), and each
         expert tensor has an fp32 copy of its own, marked `.expert` (clipping and the set see experts as the
@@ -388,18 +397,19 @@ def flat_fp16_class():
                 yield i, slice(offset, offset + n)
                 offset += n
 
-        def _sync_fp16_grads_to_fp32(self):
-            if self._needs_sync:
-                for i, where in self._slices():
-                    p = self.fp16_params[i]
-                    if p.grad is None:
-                        self.flat.grad.data[where].zero_()
-                    else:
-                        self.flat.grad.data[where].copy_(p.grad.data.reshape(-1))
-                for i, p32 in zip(self.experts, self.expert_fp32):
-                    grad = self.fp16_params[i].grad
-                    p32.grad.data.copy_(grad.data) if grad is not None else p32.grad.data.zero_()
-                self._needs_sync = False
+        def _expert_pairs(self):
+            return [(self.fp16_params[i], p32) for i, p32 in zip(self.experts, self.expert_fp32)]
+
+        def _zero_dense_grads(self):
+            self.flat.grad.zero_()
+
+        def _sync_dense_grads(self):
+            for i, where in self._slices():
+                p = self.fp16_params[i]
+                if p.grad is None:
+                    self.flat.grad.data[where].zero_()
+                else:
+                    self.flat.grad.data[where].copy_(p.grad.data.reshape(-1))
 
         def _sync_fp32_params_to_fp16(self):
             for i, where in self._slices():
@@ -428,15 +438,6 @@ def flat_fp16_class():
             elif max_norm > 0.0:
                 self._multiply_factor *= (max_norm / (grad_norm + 1e-6)).clamp_(max=1)
             return grad_norm
-
-        def zero_grad(self):
-            for p in self.fp16_params:
-                p.grad = None
-            for p32 in (self.flat, *self.expert_fp32):
-                p32.grad.zero_()
-            self._needs_sync = False
-            if self.scaler is not None:
-                self._multiply_factor = 1.0 / float(self.scaler.loss_scale)
 
         def _is_flat(self, value):
             return torch.is_tensor(value) and value.dim() == 1 and value.numel() == self.flat.numel() > 0
