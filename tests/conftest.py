@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "tests/fairseq_moe_kernels/test_triton_grouped_mlp.py",
     "tests/fairseq_moe/hooks/test_trainer_expert_parallel.py",
     "tests/fairseq_moe/models/test_moe_transformer_lm.py",
+    "tests/fairseq_moe/test_selftest.py",
 )
 
 

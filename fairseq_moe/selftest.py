@@ -1,0 +1,307 @@
+"""python -m fairseq_moe.selftest: the plugin's multi-process features, W ranks against one process, on this machine.
+
+    python -m fairseq_moe.selftest                          # every feature; W: this node's GPUs, or 2 on a CPU
+    python -m fairseq_moe.selftest --nproc 4 --only spread a2a-2d
+    python -m fairseq_moe.selftest --device cpu --backend gloo --nproc 2 --list
+
+Each feature trains a tiny MoE transformer (train_argv, which the tests train too) on a toy task written here (nothing is downloaded) for a few
+updates, on W ranks and on one process with --update-freq W (the same global batches; dropless, no dropout, SGD),
+and compares the parameters the two runs saved (the W ranks' set assembled: every expert). It prints one line per
+feature, e.g.
+
+    PASS  spread     largest relative difference 3.1e-07 (at most 1e-04)    24.6 s
+
+the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
+A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
+times out (a collective that never returns) is a FAIL line naming its log, kept with the work folder. Exit status:
+0 when nothing failed, 1 when a feature failed, 2 on bad input (one line, before anything runs).
+On a CPU the W ranks are `python -m fairseq_moe.launch` (gloo); on CUDA, torchrun (NCCL), one GPU per rank.
+"""
+import argparse
+import dataclasses
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from .errors import FlagError
+
+# The toy task and the tiny model (the tests train them too: tests/fairseq_moe/helpers.py).
+USER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_corpus(folder, seed=0):
+    """A toy translation task (reverse and upper-case the words), big enough for a few updates."""
+    rng = random.Random(seed)
+    words = "a b c d e f g h i j k l m n o p q r s t".split()
+    for split, n in (("train", 300), ("valid", 30), ("test", 20)):
+        with open(f"{folder}/{split}.src", "w") as fs, open(f"{folder}/{split}.tgt", "w") as ft:
+            for _ in range(n):
+                s = [rng.choice(words) for _ in range(rng.randint(2, 11))]
+                fs.write(" ".join(s) + "\n")
+                ft.write(" ".join(w.upper() for w in reversed(s)) + "\n")
+
+
+def preprocess_argv(folder):
+    """fairseq-preprocess's arguments for write_corpus(folder), into folder/bin."""
+    return ["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary", "--workers", "1",
+            "--trainpref", f"{folder}/train", "--validpref", f"{folder}/valid", "--testpref", f"{folder}/test",
+            "--destdir", f"{folder}/bin"]
+
+
+def binarise(folder, in_process=True):
+    """write_corpus + fairseq-preprocess into folder/bin (in this process, or as a child that imports fairseq in
+    its place); -> that path."""
+    write_corpus(folder)
+    if in_process:
+        from fairseq import options
+        from fairseq_cli import preprocess
+
+        preprocess.main(options.get_preprocessing_parser().parse_args(preprocess_argv(folder)))
+    else:
+        subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", *preprocess_argv(folder)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return os.path.join(str(folder), "bin")
+
+
+def train_argv(data, save_dir, *extra, cpu=True):
+    """fairseq-train of a tiny MoE transformer (2 + 2 layers of width 32, FFN 64) on the toy task; extra last."""
+    return [
+        data, "--user-dir", USER_DIR, "--task", "moe_translation", "--arch", "moe_transformer_tiny",
+        "--criterion", "moe_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+        "--encoder-layers", "2", "--decoder-layers", "2",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+        "--max-tokens", "800", *(["--cpu"] if cpu else []), "--seed", "3",
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-format", "simple",
+        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
+        *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
+    ]
+
+
+PROG = "python -m fairseq_moe.selftest"
+# Dropless, no dropout, SGD: W ranks can equal one process to float rounding (Adam would turn the rounding of
+# the key projections' biases, whose gradient is exactly zero, into full-size steps of random sign).
+EXACT = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0", "--dropout", "0",
+         "--attention-dropout", "0", "--required-batch-size-multiple", "1")
+FP32, FP16, BF16 = 1e-4, 1e-2, 3e-2  # largest relative difference allowed (fp16 / bf16: a few ulps of 2^-10, 2^-7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    what: str
+    flags: tuple = ()  # both runs'
+    ranks_only: tuple = ()  # the W ranks' alone (one process has no such thing)
+    tolerance: float = FP32
+    min_ranks: int = 1
+    even_ranks: bool = False
+    resume: bool = False  # W ranks train half the updates; one process resumes their set for the rest
+
+
+FEATURES = (
+    Feature("spread", "experts spread over the ranks, the flat all-to-all"),
+    Feature("overlap", "the all-to-all cut in 3 chunks overlapped with the experts",
+            ranks_only=("--moe-a2a-overlap-degree", "3")),
+    Feature("a2a-2d", "the 2-D (hierarchical) all-to-all, 2 ranks a node", ranks_only=("--moe-a2a-local-size", "2"),
+            min_ranks=4, even_ranks=True),
+    Feature("zero", "--zero-sharding os: the dense optimizer state cut over the ranks",
+            ranks_only=("--zero-sharding", "os")),
+    Feature("fsdp", "--ddp-backend fully_sharded: the dense parameters cut over the ranks",
+            ranks_only=("--ddp-backend", "fully_sharded", "--min-params-to-wrap", "0")),
+    Feature("fp16", "--fp16 (the flat fp32 copy, the loss scaler)", flags=("--fp16",), tolerance=FP16),
+    Feature("bf16", "--bf16 (fp32 master weights)", flags=("--bf16",), tolerance=BF16),
+    Feature("reshard", "a set of W ranks resumed on one process (the experts re-cut, their optimizer state too)",
+            resume=True),
+)
+BY_NAME = {f.name: f for f in FEATURES}
+UPDATES = 4
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, help="ranks (default: this node's GPUs with --device cuda, else 2)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda where torch sees a GPU, else cpu")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on cuda, gloo on cpu")
+    p.add_argument("--only", nargs="+", choices=[f.name for f in FEATURES], metavar="FEATURE",
+                   help="these features only: " + ", ".join(f.name for f in FEATURES))
+    p.add_argument("--list", action="store_true", help="print the features and what each checks, and exit")
+    p.add_argument("--work", help="the folder of the runs (default: a temporary one, removed unless a run fails)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a run may take (default 600)")
+    return p
+
+
+def settle(args):
+    """The defaults from the machine; a FlagError naming the flag for anything this machine cannot run."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    if args.device == "cuda" and not cuda:
+        raise FlagError("--device cuda: torch sees no CUDA device here (--device cpu runs the ranks on this CPU)")
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if (args.device, args.backend) not in (("cuda", "nccl"), ("cpu", "gloo")):
+        raise FlagError(f"--backend {args.backend} with --device {args.device}: the self-test runs nccl on CUDA and "
+                        f"gloo on the CPU")
+    if args.backend == "nccl" and not torch.distributed.is_nccl_available():
+        raise FlagError("--backend nccl: this torch has no NCCL")
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.nproc < 1:
+        raise FlagError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        raise FlagError(f"--nproc {args.nproc}: this node has {torch.cuda.device_count()} GPUs (one rank each)")
+    if args.timeout <= 0:
+        raise FlagError(f"--timeout must be > 0, got {args.timeout}")
+    if args.work and os.path.exists(args.work) and os.listdir(args.work):
+        raise FlagError(f"--work {args.work}: the folder is not empty (the runs need a new one)")
+    return args
+
+
+def program(name):
+    """A console script of this interpreter's environment (the venv need not be on PATH), else PATH's."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.isfile(beside) else shutil.which(name) or name
+
+
+def experts(nproc):
+    """A number of experts every rank holds a share of: 4, or W where W > 4 (a multiple of W either way)."""
+    return nproc * max(1, math.ceil(4 / nproc)) if nproc <= 4 else nproc
+
+
+def commands(args, feature, data, folder):
+    """([(name, command, environment additions)] of the feature's runs, in order; (the reference run, the run
+    compared with it)), each run saving into folder/NAME."""
+    W, cpu = args.nproc, args.device == "cpu"
+    common = (*EXACT, "--moe-expert-count", str(experts(W)), *feature.flags)
+    train = lambda name, *extra: train_argv(data, os.path.join(folder, name), *common, *extra,  # noqa: E731
+                                            cpu=cpu)
+    if cpu:
+        ranks = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", "fairseq-train"]
+        alone = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "1", "--", "fairseq-train"]
+    else:
+        ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
+                 program("fairseq-train")]
+        alone = [program("fairseq-train")]
+    dist = ("--distributed-backend", args.backend,
+            *(() if "--ddp-backend" in feature.ranks_only else ("--ddp-backend", "legacy_ddp")))
+    env = {"OMP_NUM_THREADS": "1"} if cpu else {}
+    on_ranks = lambda updates: ("ranks", [*ranks, *train("ranks", *feature.ranks_only, *dist,  # noqa: E731
+                                                         "--max-update", str(updates))], env)
+    alone_until = lambda name, updates, *extra: (name, [*alone, *train(name, "--update-freq", str(W),  # noqa: E731
+                                                                        "--max-update", str(updates), *extra)], env)
+    if not feature.resume:
+        return [on_ranks(UPDATES), alone_until("one", UPDATES)], ("one", "ranks")
+    # Half the updates, then a restart: the W ranks' set and one process's own checkpoint each resume on one
+    # process (fairseq's resume is not a continuous run's to the bit: an epoch's last batches group differently).
+    half, last = UPDATES // 2, os.path.join(folder, "{}", "checkpoint_last.pt")
+    return [on_ranks(half), alone_until("one", half), alone_until("one", UPDATES),
+            alone_until("resumed", UPDATES, "--restore-file", last.format("ranks"))], ("one", "resumed")
+
+
+def saved(folder):
+    """The model state a run saved last: its checkpoint_last.pt, or its set assembled (every expert)."""
+    import torch
+
+    from .checkpoints import sets
+    from .checkpoints.safe_load import register_safe_globals
+
+    register_safe_globals()  # (fairseq pickles its args: argparse.Namespace)
+    path = os.path.join(folder, "checkpoint_last.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True, map_location="cpu")["model"]
+    return sets.assemble(os.path.join(folder, "checkpoint_last"))["model"]
+
+
+def compare(folder, a_name, b_name):
+    """(largest relative difference, a message or None) of b's saved parameters against a's."""
+    a, b = saved(os.path.join(folder, a_name)), saved(os.path.join(folder, b_name))
+    if set(a) != set(b):
+        return math.inf, f"the runs saved different parameters: {sorted(set(a) ^ set(b))[:3]}"
+    worst, where = 0.0, None
+    for name, want in a.items():
+        got = b[name]
+        if got.shape != want.shape:
+            return math.inf, f"{name}: shape {tuple(got.shape)} against {tuple(want.shape)}"
+        want, got = want.double(), got.double()
+        diff = ((got - want).abs().max() / max(want.abs().max().item(), 1e-3)).item() if want.numel() else 0.0
+        if not math.isfinite(diff) or diff > worst:
+            worst, where = diff if math.isfinite(diff) else math.inf, name
+    return worst, where
+
+
+def run_feature(args, feature, data, work):
+    """-> (status, line) of one feature."""
+    folder = os.path.join(work, feature.name)
+    if args.nproc < feature.min_ranks or (feature.even_ranks and args.nproc % 2):
+        return "SKIP", f"needs an even number of ranks, {feature.min_ranks} or more (--nproc {args.nproc})"
+    os.makedirs(folder)
+    start = time.monotonic()
+    runs, (reference, other) = commands(args, feature, data, folder)
+    for name, cmd, env in runs:
+        log = os.path.join(folder, f"{name}.log")
+        with open(log, "a") as out:
+            try:
+                proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                      env=dict(os.environ, **env), cwd=folder)
+            except subprocess.TimeoutExpired:
+                return "FAIL", f"the {name} run took over {args.timeout:g} s (a collective that never returned?): {log}"
+        if proc.returncode != 0:
+            return "FAIL", f"the {name} run exited {proc.returncode}: {last_error(log)} ({log})"
+    diff, where = compare(folder, reference, other)
+    seconds = time.monotonic() - start
+    status = "PASS" if diff <= feature.tolerance else "FAIL"
+    detail = f"largest relative difference {diff:.1e} (at most {feature.tolerance:.0e})"
+    if status == "FAIL":
+        detail += f" in {where}" if where and math.isfinite(diff) else f": {where}"
+    return status, f"{detail}  {seconds:6.1f} s"
+
+
+def last_error(log):
+    """The last line of a failed run's log that looks like the error (else its last line)."""
+    with open(log, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for f in FEATURES:
+            print(f"{f.name:8}  {f.what}")
+        return 0
+    try:
+        settle(args)
+    except FlagError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    chosen = [BY_NAME[name] for name in args.only] if args.only else list(FEATURES)
+    work = args.work or tempfile.mkdtemp(prefix="fairseq_moe_selftest_")
+    os.makedirs(work, exist_ok=True)
+    print(f"{PROG}: {len(chosen)} features, {args.nproc} ranks against 1 process, {args.device}, {args.backend}; "
+          f"runs in {work}", flush=True)
+    os.makedirs(os.path.join(work, "data"))
+    data = binarise(os.path.join(work, "data"), in_process=False)
+    failed = 0
+    for feature in chosen:
+        status, line = run_feature(args, feature, data, work)
+        failed += status == "FAIL"
+        print(f"{status}  {feature.name:8}  {line}", flush=True)
+    if failed:
+        print(f"{failed} of {len(chosen)} features failed; their runs' logs are in {work}", flush=True)
+    elif not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
