@@ -9,11 +9,12 @@ updates, on W ranks and on one process with --update-freq W (the same global bat
 and compares the parameters the two runs saved (the W ranks' set assembled: every expert). It prints one line per
 feature, e.g.
 
-    PASS  spread     largest relative difference 3.1e-07 (at most 1e-04)    24.6 s
+    PASS  spread    largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
 the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
 A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
-times out (a collective that never returns) is a FAIL line naming its log, kept with the work folder. Exit status:
+times out (a collective that never returns: the run gets SIGTERM, then SIGKILL) is a FAIL line naming its log, kept
+with the work folder. Exit status:
 0 when nothing failed, 1 when a feature failed, 2 on bad input (one line, before anything runs).
 On a CPU the W ranks are `python -m fairseq_moe.launch` (gloo); on CUDA, torchrun (NCCL), one GPU per rank.
 """
@@ -158,7 +159,9 @@ def settle(args):
         raise FlagError(f"--nproc {args.nproc}: this node has {torch.cuda.device_count()} GPUs (one rank each)")
     if args.timeout <= 0:
         raise FlagError(f"--timeout must be > 0, got {args.timeout}")
-    if args.work and os.path.exists(args.work) and os.listdir(args.work):
+    if args.work and os.path.exists(args.work) and not os.path.isdir(args.work):
+        raise FlagError(f"--work {args.work}: not a folder")
+    if args.work and os.path.isdir(args.work) and os.listdir(args.work):
         raise FlagError(f"--work {args.work}: the folder is not empty (the runs need a new one)")
     return args
 
@@ -186,8 +189,9 @@ def commands(args, feature, data, folder):
         alone = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "1", "--", "fairseq-train"]
     else:
         ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
-                 program("fairseq-train")]
-        alone = [program("fairseq-train")]
+                 program("fairseq-train"), "--distributed-world-size", str(W)]
+        # (fairseq's default world size is every visible GPU: one process is asked for)
+        alone = [program("fairseq-train"), "--distributed-world-size", "1"]
     dist = ("--distributed-backend", args.backend,
             *(() if "--ddp-backend" in feature.ranks_only else ("--ddp-backend", "legacy_ddp")))
     env = {"OMP_NUM_THREADS": "1"} if cpu else {}
@@ -245,15 +249,15 @@ def run_feature(args, feature, data, work):
     runs, (reference, other) = commands(args, feature, data, folder)
     for name, cmd, env in runs:
         log = os.path.join(folder, f"{name}.log")
-        with open(log, "a") as out:
-            try:
-                proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                      env=dict(os.environ, **env), cwd=folder)
-            except subprocess.TimeoutExpired:
-                return "FAIL", f"the {name} run took over {args.timeout:g} s (a collective that never returned?): {log}"
-        if proc.returncode != 0:
-            return "FAIL", f"the {name} run exited {proc.returncode}: {last_error(log)} ({log})"
-    diff, where = compare(folder, reference, other)
+        code = run(cmd, env, folder, log, args.timeout)
+        if code is None:
+            return "FAIL", f"the {name} run took over {args.timeout:g} s (a collective that never returned?): {log}"
+        if code != 0:
+            return "FAIL", f"the {name} run exited {code}: {last_error(log)} ({log})"
+    try:
+        diff, where = compare(folder, reference, other)
+    except Exception as e:  # (a run that ended well without a readable checkpoint: this feature fails, not the test)
+        return "FAIL", f"reading what the runs saved: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
     seconds = time.monotonic() - start
     status = "PASS" if diff <= feature.tolerance else "FAIL"
     detail = f"largest relative difference {diff:.1e} (at most {feature.tolerance:.0e})"
@@ -262,12 +266,34 @@ def run_feature(args, feature, data, work):
     return status, f"{detail}  {seconds:6.1f} s"
 
 
+GRACE_SECONDS = 30  # after a timeout's SIGTERM, before SIGKILL
+
+
+def run(cmd, env, cwd, log, timeout):
+    """cmd to its end, its output appended to log; -> its exit code, or None where it ran past timeout: then it
+    gets SIGTERM (the launcher and torchrun stop their ranks on it: torchrun's workers would outlive a SIGKILL of
+    torchrun, in sessions of their own), and SIGKILL GRACE_SECONDS later."""
+    with open(log, "a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env), cwd=cwd)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return None
+
+
 def last_error(log):
-    """The last line of a failed run's log that looks like the error (else its last line)."""
+    """The last line of a failed run's log that looks like the error (not torchrun's summary of it), else its last
+    line."""
     with open(log, errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     for line in reversed(lines):
-        if "Error" in line or "error:" in line:
+        if ("Error" in line or "error:" in line) and "ChildFailedError" not in line:
             return line[:300]
     return lines[-1][:300] if lines else "(no output)"
 
@@ -285,12 +311,17 @@ def main(argv=None):
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     chosen = [BY_NAME[name] for name in args.only] if args.only else list(FEATURES)
-    work = args.work or tempfile.mkdtemp(prefix="fairseq_moe_selftest_")
+    work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="fairseq_moe_selftest_"))  # (the runs' cwd: theirs)
     os.makedirs(work, exist_ok=True)
     print(f"{PROG}: {len(chosen)} features, {args.nproc} ranks against 1 process, {args.device}, {args.backend}; "
           f"runs in {work}", flush=True)
     os.makedirs(os.path.join(work, "data"))
-    data = binarise(os.path.join(work, "data"), in_process=False)
+    try:
+        data = binarise(os.path.join(work, "data"), in_process=False)
+    except subprocess.CalledProcessError as e:
+        lines = (e.stderr or "").strip().splitlines() or ["(no output)"]
+        print(f"{PROG}: error: fairseq-preprocess of the toy task failed: {lines[-1][:300]}", file=sys.stderr)
+        return 1
     failed = 0
     for feature in chosen:
         status, line = run_feature(args, feature, data, work)

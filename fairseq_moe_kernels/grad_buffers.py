@@ -64,7 +64,7 @@ def cast(weight, dtype):
     faulted in each forward, fresh gradients each backward, 4x the kept copies' time at E = 128, d = 512,
     f = 2048). empty() and rows() for the cast take the weight's buffers."""
     if weight.dtype == dtype or type(weight) not in (torch.Tensor, torch.nn.Parameter) or not _keepable(
-            weight, weight.numel() * dtype.itemsize):
+            weight, weight.numel() * max(dtype.itemsize, weight.dtype.itemsize)):  # (the cast's or its gradient's)
         return weight.to(dtype)
     return _Cast.apply(weight, dtype)
 

@@ -228,6 +228,7 @@ MISSING = [
      "none.pt: no such checkpoint"),
     ("plot", lambda d: [d / "none", d / "o"], "RUN_DIR " + "{d}/none: no such folder"),
     ("average", lambda d: ["--inputs", d / "none.pt", "--output", d / "out.pt"], "none.pt: no such checkpoint"),
+    ("selftest", lambda d: ["--device", "cpu", "--work", d / "in.txt"], "in.txt: not a folder"),
 ]
 
 
