@@ -4,18 +4,19 @@
     python -m fairseq_moe.selftest --nproc 4 --only spread a2a-2d
     python -m fairseq_moe.selftest --device cpu --backend gloo --nproc 2 --list
 
-Each feature trains a tiny MoE transformer (train_argv, which the tests train too) on a toy task written here (nothing is downloaded) for a few
-updates, on W ranks and on one process with --update-freq W (the same global batches; dropless, no dropout, SGD),
-and compares the parameters the two runs saved (the W ranks' set assembled: every expert). It prints one line per
-feature, e.g.
+Each feature trains a tiny MoE transformer (train_argv, which the tests train too) on a toy task written here
+(nothing is downloaded) for a few updates, on W ranks and on one process with --update-freq W (the same global
+batches; dropless, no dropout, SGD), and compares the parameters the two runs saved (the W ranks' set assembled: every expert); generate compares
+fairseq-generate from that set on W ranks and on one process (every hypothesis, its scores, the BLEU line). It prints
+one line per feature, e.g.
 
     PASS  spread    largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
 the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
 A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
 times out (a collective that never returns: the run gets SIGTERM, then SIGKILL) is a FAIL line naming its log, kept
-with the work folder. Exit status:
-0 when nothing failed, 1 when a feature failed, 2 on bad input (one line, before anything runs).
+with the work folder. Exit status: 0 when nothing failed, 1 when a feature failed, 2 on bad input (one line, before
+anything runs).
 On a CPU the W ranks are `python -m fairseq_moe.launch` (gloo); on CUDA, torchrun (NCCL), one GPU per rank.
 """
 import argparse
@@ -102,7 +103,8 @@ class Feature:
     tolerance: float = FP32
     min_ranks: int = 1
     even_ranks: bool = False
-    resume: bool = False  # W ranks train half the updates; one process resumes their set for the rest
+    kind: str = "train"  # train: the two runs' parameters; resume: W ranks train half the updates, one process
+    # resumes their set for the rest; generate: fairseq-generate from the W ranks' set, on W ranks and on one process
 
 
 FEATURES = (
@@ -118,10 +120,13 @@ FEATURES = (
     Feature("fp16", "--fp16 (the flat fp32 copy, the loss scaler)", flags=("--fp16",), tolerance=FP16),
     Feature("bf16", "--bf16 (fp32 master weights)", flags=("--bf16",), tolerance=BF16),
     Feature("reshard", "a set of W ranks resumed on one process (the experts re-cut, their optimizer state too)",
-            resume=True),
+            kind="resume"),
+    Feature("generate", "fairseq-generate on W ranks from the set, the experts spread: the hypotheses and their "
+            "scores of one process", kind="generate"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
 UPDATES = 4
+GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8")
 
 
 def build_parser():
@@ -185,25 +190,30 @@ def commands(args, feature, data, folder):
     train = lambda name, *extra: train_argv(data, os.path.join(folder, name), *common, *extra,  # noqa: E731
                                             cpu=cpu)
     if cpu:
-        ranks = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", "fairseq-train"]
-        alone = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "1", "--", "fairseq-train"]
+        ranks = lambda tool: [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", tool]  # noqa: E731
+        alone = lambda tool: [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "1", "--", tool]  # noqa: E731
     else:
-        ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
-                 program("fairseq-train"), "--distributed-world-size", str(W)]
+        ranks = lambda tool: [sys.executable, "-m", "torch.distributed.run", "--standalone",  # noqa: E731
+                              "--nproc-per-node", str(W), program(tool), "--distributed-world-size", str(W)]
         # (fairseq's default world size is every visible GPU: one process is asked for)
-        alone = [program("fairseq-train"), "--distributed-world-size", "1"]
+        alone = lambda tool: [program(tool), "--distributed-world-size", "1"]  # noqa: E731
     dist = ("--distributed-backend", args.backend,
             *(() if "--ddp-backend" in feature.ranks_only else ("--ddp-backend", "legacy_ddp")))
     env = {"OMP_NUM_THREADS": "1"} if cpu else {}
-    on_ranks = lambda updates: ("ranks", [*ranks, *train("ranks", *feature.ranks_only, *dist,  # noqa: E731
-                                                         "--max-update", str(updates))], env)
-    alone_until = lambda name, updates, *extra: (name, [*alone, *train(name, "--update-freq", str(W),  # noqa: E731
-                                                                        "--max-update", str(updates), *extra)], env)
-    if not feature.resume:
+    on_ranks = lambda updates: ("ranks", [*ranks("fairseq-train"), *train(  # noqa: E731
+        "ranks", *feature.ranks_only, *dist, "--max-update", str(updates))], env)
+    alone_until = lambda name, updates, *extra: (name, [*alone("fairseq-train"), *train(  # noqa: E731
+        name, "--update-freq", str(W), "--max-update", str(updates), *extra)], env)
+    last = os.path.join(folder, "{}", "checkpoint_last.pt")
+    if feature.kind == "train":
         return [on_ranks(UPDATES), alone_until("one", UPDATES)], ("one", "ranks")
+    if feature.kind == "generate":
+        argv = [data, "--user-dir", USER_DIR, "--path", last.format("ranks"), *GENERATE, *(["--cpu"] if cpu else [])]
+        return [on_ranks(UPDATES), ("one", [*alone("fairseq-generate"), *argv], env),
+                ("generated", [*ranks("fairseq-generate"), *argv, *dist[:2]], env)], ("one", "generated")
     # Half the updates, then a restart: the W ranks' set and one process's own checkpoint each resume on one
     # process (fairseq's resume is not a continuous run's to the bit: an epoch's last batches group differently).
-    half, last = UPDATES // 2, os.path.join(folder, "{}", "checkpoint_last.pt")
+    half = UPDATES // 2
     return [on_ranks(half), alone_until("one", half), alone_until("one", UPDATES),
             alone_until("resumed", UPDATES, "--restore-file", last.format("ranks"))], ("one", "resumed")
 
@@ -239,6 +249,52 @@ def compare(folder, a_name, b_name):
     return worst, where
 
 
+def generated(log):
+    """{"H-12": [fields after the key], ...} of fairseq-generate's S/T/H/D/P lines, and its BLEU line, from a log."""
+    lines, bleu = {}, []
+    with open(log, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line[:2] in ("S-", "T-", "H-", "D-", "P-") and "\t" in line:
+                key, rest = line.split("\t", 1)
+                lines.setdefault(key, []).append(rest)
+            elif line.startswith("Generate test") and "BLEU" in line:
+                bleu.append(line)
+    return lines, bleu
+
+
+def compare_generated(folder, a_name, b_name):
+    """(largest relative difference of the scores, a message or None) of b's generated lines against a's: the same
+    sentences, the same texts, the same BLEU line, or an infinite difference and what differs."""
+    (a, bleu_a), (b, bleu_b) = (generated(os.path.join(folder, f"{name}.log")) for name in (a_name, b_name))
+    if not a or a.keys() != b.keys():
+        return math.inf, f"the runs generated different sentences ({len(a)} and {len(b)} lines)"
+    if bleu_a != bleu_b or len(bleu_a) != 1:
+        return math.inf, f"the BLEU lines differ: {bleu_a} against {bleu_b}"
+    worst, where = 0.0, None
+    for key, want in a.items():
+        got = b[key]
+        if len(got) != len(want):
+            return math.inf, f"{key}: {len(got)} lines against {len(want)}"
+        for x, y in zip(want, got):
+            if key[0] in "HD":
+                (sx, tx), (sy, ty) = x.split("\t", 1), y.split("\t", 1)
+                if tx != ty:
+                    return math.inf, f"{key}: the texts differ"
+                pairs = [(float(sx), float(sy))]
+            elif key[0] == "P":
+                pairs = list(zip(map(float, x.split()), map(float, y.split())))
+            elif x != y:
+                return math.inf, f"{key}: the lines differ"
+            else:
+                pairs = []
+            for u, v in pairs:
+                diff = abs(u - v) / max(abs(u), 1e-2)
+                if diff > worst:
+                    worst, where = diff, key
+    return worst, where
+
+
 def run_feature(args, feature, data, work):
     """-> (status, line) of one feature."""
     folder = os.path.join(work, feature.name)
@@ -255,7 +311,7 @@ def run_feature(args, feature, data, work):
         if code != 0:
             return "FAIL", f"the {name} run exited {code}: {last_error(log)} ({log})"
     try:
-        diff, where = compare(folder, reference, other)
+        diff, where = (compare_generated if feature.kind == "generate" else compare)(folder, reference, other)
     except Exception as e:  # (a run that ended well without a readable checkpoint: this feature fails, not the test)
         return "FAIL", f"reading what the runs saved: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
     seconds = time.monotonic() - start

@@ -1,7 +1,8 @@
 """python -m fairseq_moe.selftest on this CPU (gloo): every feature passes on 2 ranks against one process, one line
 each (the 2-D all-to-all, which needs 4 ranks, skipped there and passed on 4); with the all-to-all sabotaged (the
-rows it delivers scaled by 1.01 on every group of 2 ranks or more, through a sitecustomize every process loads) the
-experts' feature FAILs with exit status 1; bad input is one line and exit status 2 before anything runs."""
+rows it delivers scaled by 1.01 on every group of 2 ranks or more, through a sitecustomize every process loads)
+training, resuming and generating on the ranks FAIL with exit status 1; bad input is one line and exit status 2
+before anything runs."""
 import os
 import re
 import subprocess
@@ -72,13 +73,15 @@ def test_a_sabotaged_all_to_all_fails(tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(SABOTAGE)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    code, lines, log = selftest_run(tmp_path, "--nproc", "2", "--only", "spread", "reshard",
+    code, lines, log = selftest_run(tmp_path, "--nproc", "2", "--only", "spread", "reshard", "generate",
                                     env={"PYTHONPATH": path})
     assert code == 1, log
     for name in ("spread", "reshard"):
         status, rest = lines[name]
         assert status == "FAIL" and difference(rest) > selftest.FP32 and " in " in rest, (name, rest)
-    assert "2 of 2 features failed" in log
+    status, rest = lines["generate"]  # (the same set on both: only the W ranks' generation goes through it)
+    assert status == "FAIL" and ("differ" in rest or difference(rest) > selftest.FP32), rest
+    assert "3 of 3 features failed" in log
     assert os.path.exists(tmp_path / "work" / "spread" / "ranks.log")  # (kept: the runs' logs are named)
 
 
