@@ -6,9 +6,9 @@
 
 Each feature trains a tiny MoE transformer (train_argv, which the tests train too) on a toy task written here
 (nothing is downloaded) for a few updates, on W ranks and on one process with --update-freq W (the same global
-batches; dropless, no dropout, SGD), and compares the parameters the two runs saved (the W ranks' set assembled: every expert); generate compares
-fairseq-generate from that set on W ranks and on one process (every hypothesis, its scores, the BLEU line). It prints
-one line per feature, e.g.
+batches; dropless, no dropout, SGD), and compares the parameters the two runs saved (the W ranks' set assembled:
+every expert); generate compares fairseq-generate from that set on W ranks and on one process (every hypothesis,
+its scores, the BLEU line). It prints one line per feature, e.g.
 
     PASS  spread    largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
