@@ -10,7 +10,7 @@ batches; dropless, no dropout, SGD), and compares the parameters the two runs sa
 every expert); generate compares fairseq-generate from that set on W ranks and on one process (every hypothesis,
 its scores, the BLEU line). It prints one line per feature, e.g.
 
-    PASS  spread    largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
+    PASS  spread     largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
 the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
 A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
@@ -104,7 +104,9 @@ class Feature:
     min_ranks: int = 1
     even_ranks: bool = False
     kind: str = "train"  # train: the two runs' parameters; resume: W ranks train half the updates, one process
-    # resumes their set for the rest; generate: fairseq-generate from the W ranks' set, on W ranks and on one process
+    # resumes their set for the rest; generate: fairseq-generate from the W ranks' set, on W ranks and on one process;
+    # eval-bleu: train's, and every validation's BLEU the same
+    updates: int = 4
 
 
 FEATURES = (
@@ -123,9 +125,11 @@ FEATURES = (
             kind="resume"),
     Feature("generate", "fairseq-generate on W ranks from the set, the experts spread: the hypotheses and their "
             "scores of one process", kind="generate"),
+    Feature("eval-bleu", "--eval-bleu in training: every validation's beam search on W ranks, its BLEU one "
+            "process's", flags=("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args",
+                                '{"beam": 2, "max_len_b": 20}', "--max-tokens", "1600"), kind="eval-bleu", updates=6),
 )
 BY_NAME = {f.name: f for f in FEATURES}
-UPDATES = 4
 GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8")
 
 
@@ -204,18 +208,18 @@ def commands(args, feature, data, folder):
         "ranks", *feature.ranks_only, *dist, "--max-update", str(updates))], env)
     alone_until = lambda name, updates, *extra: (name, [*alone("fairseq-train"), *train(  # noqa: E731
         name, "--update-freq", str(W), "--max-update", str(updates), *extra)], env)
-    last = os.path.join(folder, "{}", "checkpoint_last.pt")
-    if feature.kind == "train":
-        return [on_ranks(UPDATES), alone_until("one", UPDATES)], ("one", "ranks")
+    last, updates = os.path.join(folder, "{}", "checkpoint_last.pt"), feature.updates
+    if feature.kind in ("train", "eval-bleu"):
+        return [on_ranks(updates), alone_until("one", updates)], ("one", "ranks")
     if feature.kind == "generate":
         argv = [data, "--user-dir", USER_DIR, "--path", last.format("ranks"), *GENERATE, *(["--cpu"] if cpu else [])]
-        return [on_ranks(UPDATES), ("one", [*alone("fairseq-generate"), *argv], env),
+        return [on_ranks(updates), ("one", [*alone("fairseq-generate"), *argv], env),
                 ("generated", [*ranks("fairseq-generate"), *argv, *dist[:2]], env)], ("one", "generated")
     # Half the updates, then a restart: the W ranks' set and one process's own checkpoint each resume on one
     # process (fairseq's resume is not a continuous run's to the bit: an epoch's last batches group differently).
-    half = UPDATES // 2
-    return [on_ranks(half), alone_until("one", half), alone_until("one", UPDATES),
-            alone_until("resumed", UPDATES, "--restore-file", last.format("ranks"))], ("one", "resumed")
+    half = updates // 2
+    return [on_ranks(half), alone_until("one", half), alone_until("one", updates),
+            alone_until("resumed", updates, "--restore-file", last.format("ranks"))], ("one", "resumed")
 
 
 def saved(folder):
@@ -295,6 +299,23 @@ def compare_generated(folder, a_name, b_name):
     return worst, where
 
 
+def valid_bleus(log):
+    """The BLEU of every validation in a training log (fairseq's `valid | ... | bleu B` lines)."""
+    with open(log, errors="replace") as f:
+        return [line.split("| bleu ")[1].split()[0] for line in f if "| bleu " in line and " valid " in line]
+
+
+def compare_with_bleu(folder, a_name, b_name):
+    """compare's, and an infinite difference where the validations' BLEU differ (or there was none)."""
+    a, b = (valid_bleus(os.path.join(folder, f"{name}.log")) for name in (a_name, b_name))
+    if not a or a != b:
+        return math.inf, f"the validations' BLEU differ: {a} against {b}"
+    return compare(folder, a_name, b_name)
+
+
+COMPARE = {"generate": compare_generated, "eval-bleu": compare_with_bleu}  # (else compare: the parameters)
+
+
 def run_feature(args, feature, data, work):
     """-> (status, line) of one feature."""
     folder = os.path.join(work, feature.name)
@@ -311,7 +332,7 @@ def run_feature(args, feature, data, work):
         if code != 0:
             return "FAIL", f"the {name} run exited {code}: {last_error(log)} ({log})"
     try:
-        diff, where = (compare_generated if feature.kind == "generate" else compare)(folder, reference, other)
+        diff, where = COMPARE.get(feature.kind, compare)(folder, reference, other)
     except Exception as e:  # (a run that ended well without a readable checkpoint: this feature fails, not the test)
         return "FAIL", f"reading what the runs saved: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
     seconds = time.monotonic() - start
@@ -359,7 +380,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.list:
         for f in FEATURES:
-            print(f"{f.name:8}  {f.what}")
+            print(f"{f.name:9}  {f.what}")
         return 0
     try:
         settle(args)
@@ -382,7 +403,7 @@ def main(argv=None):
     for feature in chosen:
         status, line = run_feature(args, feature, data, work)
         failed += status == "FAIL"
-        print(f"{status}  {feature.name:8}  {line}", flush=True)
+        print(f"{status}  {feature.name:9}  {line}", flush=True)
     if failed:
         print(f"{failed} of {len(chosen)} features failed; their runs' logs are in {work}", flush=True)
     elif not args.work:
