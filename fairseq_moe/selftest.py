@@ -48,24 +48,38 @@ def write_corpus(folder, seed=0):
                 ft.write(" ".join(w.upper() for w in reversed(s)) + "\n")
 
 
-def preprocess_argv(folder):
-    """fairseq-preprocess's arguments for write_corpus(folder), into folder/bin."""
+def write_lm_corpus(folder, seed=0):
+    """A toy language (runs of the alphabet from a random letter)."""
+    rng = random.Random(seed)
+    words = "a b c d e f g h i j k l m n o p q r s t".split()
+    for split, n in (("train", 300), ("valid", 30), ("test", 20)):
+        with open(f"{folder}/{split}.txt", "w") as f:
+            for _ in range(n):
+                start = rng.randrange(len(words))
+                f.write(" ".join(words[(start + i) % len(words)] for i in range(rng.randint(3, 12))) + "\n")
+
+
+def preprocess_argv(folder, lm=False):
+    """fairseq-preprocess's arguments for write_corpus(folder) (lm: write_lm_corpus's), into folder/bin."""
+    if lm:
+        return ["--only-source", "--workers", "1", "--trainpref", f"{folder}/train.txt", "--validpref",
+                f"{folder}/valid.txt", "--testpref", f"{folder}/test.txt", "--destdir", f"{folder}/bin"]
     return ["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary", "--workers", "1",
             "--trainpref", f"{folder}/train", "--validpref", f"{folder}/valid", "--testpref", f"{folder}/test",
             "--destdir", f"{folder}/bin"]
 
 
-def binarise(folder, in_process=True):
-    """write_corpus + fairseq-preprocess into folder/bin (in this process, or as a child that imports fairseq in
-    its place); -> that path."""
-    write_corpus(folder)
+def binarise(folder, in_process=True, lm=False, seed=0):
+    """write_corpus (lm: write_lm_corpus) + fairseq-preprocess into folder/bin (in this process, or as a child that
+    imports fairseq in its place); -> that path."""
+    (write_lm_corpus if lm else write_corpus)(folder, seed)
     if in_process:
         from fairseq import options
         from fairseq_cli import preprocess
 
-        preprocess.main(options.get_preprocessing_parser().parse_args(preprocess_argv(folder)))
+        preprocess.main(options.get_preprocessing_parser().parse_args(preprocess_argv(folder, lm)))
     else:
-        subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", *preprocess_argv(folder)], check=True,
+        subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", *preprocess_argv(folder, lm)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return os.path.join(str(folder), "bin")
 
@@ -84,6 +98,29 @@ def train_argv(data, save_dir, *extra, cpu=True):
         "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
         *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
     ]
+
+
+# The LM data flags, shared by training and fairseq-eval-lm (one sentence per block, as evaluated).
+LM_DATA = ("--sample-break-mode", "eos", "--tokens-per-sample", "32")
+
+
+def lm_train_argv(data, save_dir, *extra, cpu=True):
+    """fairseq-train of a tiny MoE decoder-only LM (2 layers of width 32, FFN 64) on the toy language; extra last."""
+    return [
+        data, "--user-dir", USER_DIR, "--task", "moe_language_modeling", "--arch", "moe_transformer_lm_tiny",
+        "--criterion", "moe_cross_entropy", *LM_DATA,
+        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-layers", "2",
+        "--decoder-attention-heads", "2", "--max-tokens", "400", *(["--cpu"] if cpu else []), "--seed", "1",
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-format", "simple",
+        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
+        *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
+    ]
+
+
+def eval_lm_argv(data, path, *extra, cpu=True):
+    """fairseq-eval-lm of a checkpoint of lm_train_argv on the toy language's valid set."""
+    return [data, "--user-dir", USER_DIR, "--path", str(path), "--task", "language_modeling", *LM_DATA,
+            "--gen-subset", "valid", "--max-tokens", "400", *(["--cpu"] if cpu else []), *extra]
 
 
 PROG = "python -m fairseq_moe.selftest"
@@ -128,6 +165,8 @@ FEATURES = (
     Feature("eval-bleu", "--eval-bleu in training: every validation's beam search on W ranks, its BLEU one "
             "process's", flags=("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args",
                                 '{"beam": 2, "max_len_b": 20}', "--max-tokens", "1600"), kind="eval-bleu", updates=6),
+    Feature("eval-lm", "an MoE language model trained on W ranks, and fairseq-eval-lm from its set on W ranks: one "
+            "process's parameters and loss", flags=("--moe-eval-capacity-token-fraction", "0"), kind="eval-lm"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
 GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8")
@@ -191,8 +230,10 @@ def commands(args, feature, data, folder):
     compared with it)), each run saving into folder/NAME."""
     W, cpu = args.nproc, args.device == "cpu"
     common = (*EXACT, "--moe-expert-count", str(experts(W)), *feature.flags)
-    train = lambda name, *extra: train_argv(data, os.path.join(folder, name), *common, *extra,  # noqa: E731
-                                            cpu=cpu)
+    lm = feature.kind == "eval-lm"
+    corpus = data["lm" if lm else "translation"]
+    train = lambda name, *extra: (lm_train_argv if lm else train_argv)(  # noqa: E731
+        corpus, os.path.join(folder, name), *common, *extra, cpu=cpu)
     if cpu:
         ranks = lambda tool: [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--", tool]  # noqa: E731
         alone = lambda tool: [sys.executable, "-m", "fairseq_moe.launch", "--nproc", "1", "--", tool]  # noqa: E731
@@ -211,8 +252,14 @@ def commands(args, feature, data, folder):
     last, updates = os.path.join(folder, "{}", "checkpoint_last.pt"), feature.updates
     if feature.kind in ("train", "eval-bleu"):
         return [on_ranks(updates), alone_until("one", updates)], ("one", "ranks")
+    if lm:  # (fairseq-eval-lm in blocks of 60 tokens: each rank's share of the sentences differs in length)
+        argv = [*eval_lm_argv(corpus, last.format("ranks"), "--max-tokens", "60", cpu=cpu)]
+        return [on_ranks(updates), alone_until("one", updates), ("evaluated-one", [*alone("fairseq-eval-lm"), *argv],
+                                                                 env),
+                ("evaluated", [*ranks("fairseq-eval-lm"), *argv, *dist[:2]], env)], ("one", "ranks")
     if feature.kind == "generate":
-        argv = [data, "--user-dir", USER_DIR, "--path", last.format("ranks"), *GENERATE, *(["--cpu"] if cpu else [])]
+        argv = [corpus, "--user-dir", USER_DIR, "--path", last.format("ranks"), *GENERATE,
+                *(["--cpu"] if cpu else [])]
         return [on_ranks(updates), ("one", [*alone("fairseq-generate"), *argv], env),
                 ("generated", [*ranks("fairseq-generate"), *argv, *dist[:2]], env)], ("one", "generated")
     # Half the updates, then a restart: the W ranks' set and one process's own checkpoint each resume on one
@@ -313,7 +360,25 @@ def compare_with_bleu(folder, a_name, b_name):
     return compare(folder, a_name, b_name)
 
 
-COMPARE = {"generate": compare_generated, "eval-bleu": compare_with_bleu}  # (else compare: the parameters)
+def eval_loss(log):
+    """fairseq-eval-lm's loss (base 2) in a log, or None."""
+    with open(log, errors="replace") as f:
+        found = [line.split("Loss (base 2): ")[1].split(",")[0] for line in f if "Loss (base 2): " in line]
+    return float(found[-1]) if found else None
+
+
+def compare_with_eval_lm(folder, a_name, b_name):
+    """compare's, and fairseq-eval-lm's loss on W ranks against one process's from the same set."""
+    one, many = (eval_loss(os.path.join(folder, f"{name}.log")) for name in ("evaluated-one", "evaluated"))
+    if one is None or many is None:
+        return math.inf, f"no fairseq-eval-lm loss in the logs ({one} on one process, {many} on the ranks)"
+    diff, where = compare(folder, a_name, b_name)
+    loss_diff = abs(many - one) / max(abs(one), 1e-3)
+    return (loss_diff, "fairseq-eval-lm's loss") if loss_diff > diff else (diff, where)
+
+
+COMPARE = {"generate": compare_generated, "eval-bleu": compare_with_bleu,  # (else compare: the parameters)
+           "eval-lm": compare_with_eval_lm}
 
 
 def run_feature(args, feature, data, work):
@@ -392,9 +457,11 @@ def main(argv=None):
     os.makedirs(work, exist_ok=True)
     print(f"{PROG}: {len(chosen)} features, {args.nproc} ranks against 1 process, {args.device}, {args.backend}; "
           f"runs in {work}", flush=True)
-    os.makedirs(os.path.join(work, "data"))
+    data = {}
     try:
-        data = binarise(os.path.join(work, "data"), in_process=False)
+        for name in ["translation"] + (["lm"] if any(f.kind == "eval-lm" for f in chosen) else []):
+            os.makedirs(os.path.join(work, "data", name))
+            data[name] = binarise(os.path.join(work, "data", name), in_process=False, lm=name == "lm")
     except subprocess.CalledProcessError as e:
         lines = (e.stderr or "").strip().splitlines() or ["(no output)"]
         print(f"{PROG}: error: fairseq-preprocess of the toy task failed: {lines[-1][:300]}", file=sys.stderr)

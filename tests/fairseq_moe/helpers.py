@@ -4,7 +4,8 @@ import random
 import torch
 
 from fairseq_moe import selftest
-from fairseq_moe.selftest import USER_DIR, train_argv  # noqa: F401  (the tests' and the self-test's: one place)
+from fairseq_moe.selftest import (LM_DATA, USER_DIR, eval_lm_argv, lm_train_argv,  # noqa: F401  (one place:
+                                   train_argv)  # the tests' and the self-test's)
 
 
 def binarise_toy_corpus(folder):
@@ -48,44 +49,8 @@ def binarise_toy_multilingual_corpus(folder, seed=0):
 
 
 def binarise_toy_lm_corpus(folder, seed=0):
-    """A toy language (runs of the alphabet from a random letter), fairseq-preprocess'd; -> folder/bin."""
-    from fairseq import options
-    from fairseq_cli import preprocess
-
-    rng = random.Random(seed)
-    words = "a b c d e f g h i j k l m n o p q r s t".split()
-    for split, n in (("train", 300), ("valid", 30), ("test", 20)):
-        with open(f"{folder}/{split}.txt", "w") as f:
-            for _ in range(n):
-                start = rng.randrange(len(words))
-                f.write(" ".join(words[(start + i) % len(words)] for i in range(rng.randint(3, 12))) + "\n")
-    parser = options.get_preprocessing_parser()
-    preprocess.main(parser.parse_args([
-        "--only-source", "--workers", "1", "--trainpref", f"{folder}/train.txt", "--validpref",
-        f"{folder}/valid.txt", "--testpref", f"{folder}/test.txt", "--destdir", f"{folder}/bin",
-    ]))
-    return str(folder / "bin")
-
-
-# The LM data flags, shared by training and fairseq-eval-lm (one sentence per block, as evaluated).
-LM_DATA = ("--sample-break-mode", "eos", "--tokens-per-sample", "32")
-
-
-def lm_train_argv(data, save_dir, *extra):
-    return [
-        data, "--user-dir", USER_DIR, "--task", "moe_language_modeling", "--arch", "moe_transformer_lm_tiny",
-        "--criterion", "moe_cross_entropy", *LM_DATA,
-        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-layers", "2",
-        "--decoder-attention-heads", "2", "--max-tokens", "400", "--cpu", "--seed", "1",
-        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-format", "simple",
-        "--log-interval", "1", "--num-workers", "0", "--no-progress-bar",
-        *(() if "--optimizer" in extra else ("--optimizer", "adam", "--lr", "0.003")), *extra,
-    ]
-
-
-def eval_lm_argv(data, path, *extra):
-    return [data, "--user-dir", USER_DIR, "--path", str(path), "--task", "language_modeling", *LM_DATA,
-            "--gen-subset", "valid", "--max-tokens", "400", "--cpu", *extra]
+    """selftest.write_lm_corpus + fairseq-preprocess into folder/bin; -> that path."""
+    return selftest.binarise(folder, lm=True, seed=seed)
 
 
 def run_eval_lm(data, path, *extra):

@@ -73,15 +73,15 @@ def test_a_sabotaged_all_to_all_fails(tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(SABOTAGE)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    code, lines, log = selftest_run(tmp_path, "--nproc", "2", "--only", "spread", "reshard", "generate",
+    code, lines, log = selftest_run(tmp_path, "--nproc", "2", "--only", "spread", "reshard", "generate", "eval-lm",
                                     env={"PYTHONPATH": path})
     assert code == 1, log
-    for name in ("spread", "reshard"):
+    for name in ("spread", "reshard", "eval-lm"):
         status, rest = lines[name]
         assert status == "FAIL" and difference(rest) > selftest.FP32 and " in " in rest, (name, rest)
     status, rest = lines["generate"]  # (the same set on both: only the W ranks' generation goes through it)
     assert status == "FAIL" and ("differ" in rest or difference(rest) > selftest.FP32), rest
-    assert "3 of 3 features failed" in log
+    assert "4 of 4 features failed" in log
     assert os.path.exists(tmp_path / "work" / "spread" / "ranks.log")  # (kept: the runs' logs are named)
 
 
