@@ -10,7 +10,7 @@ batches; dropless, no dropout, SGD), and compares the parameters the two runs sa
 every expert); generate compares fairseq-generate from that set on W ranks and on one process (every hypothesis,
 its scores, the BLEU line). It prints one line per feature, e.g.
 
-    PASS  spread     largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
+    PASS  spread       largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
 the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
 A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
@@ -142,7 +142,8 @@ class Feature:
     even_ranks: bool = False
     kind: str = "train"  # train: the two runs' parameters; resume: W ranks train half the updates, one process
     # resumes their set for the rest; generate: fairseq-generate from the W ranks' set, on W ranks and on one process;
-    # eval-bleu: train's, and every validation's BLEU the same
+    # eval-bleu: train's, and every validation's BLEU the same; atomic-save: W ranks with the last rank killed
+    # while it writes the set of update 4, resumed on W ranks, against W ranks without the kill
     updates: int = 4
 
 
@@ -165,10 +166,35 @@ FEATURES = (
     Feature("eval-bleu", "--eval-bleu in training: every validation's beam search on W ranks, its BLEU one "
             "process's", flags=("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args",
                                 '{"beam": 2, "max_len_b": 20}', "--max-tokens", "1600"), kind="eval-bleu", updates=6),
+    Feature("atomic-save", "a rank killed while it writes a set: the folder keeps the set before, and the W ranks "
+            "resume from it as a run without the kill", flags=("--max-tokens", "100", "--save-interval-updates", "2",
+                                                               "--keep-interval-updates", "1"),
+            kind="atomic-save", updates=6),
     Feature("eval-lm", "an MoE language model trained on W ranks, and fairseq-eval-lm from its set on W ranks: one "
             "process's parameters and loss", flags=("--moe-eval-capacity-token-fraction", "0"), kind="eval-lm"),
 )
 BY_NAME = {f.name: f for f in FEATURES}
+WIDTH = max(len(f.name) for f in FEATURES)
+# fairseq-train with the rank of RANK argv[1] killed (SIGKILL) while it writes its file of update 4's set, after
+# writing half of it; the rest of argv is fairseq-train's.
+KILLED_MID_WRITE = """\
+import os, re, signal, sys
+import fairseq  # (first: the plugin, which the --user-dir names, then registers as fairseq loads it)
+from fairseq_moe.checkpoints import commit
+victim, write = sys.argv[1], commit.write_synced
+def killed_mid_write(obj, path):
+    if os.environ.get("RANK", "0") == victim and re.search(r"checkpoint_\\d+_4-", os.path.basename(path)):
+        with open(path, "wb") as f:
+            f.write(b"PK half a file")
+            f.flush()
+        open(MARK, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(obj, path)
+commit.write_synced = killed_mid_write
+from fairseq_cli.train import cli_main
+sys.argv = ["fairseq-train"] + sys.argv[2:]
+cli_main()
+"""
 GENERATE = ("--task", "moe_translation", "--gen-subset", "test", "--beam", "4", "--batch-size", "8")
 
 
@@ -252,6 +278,21 @@ def commands(args, feature, data, folder):
     last, updates = os.path.join(folder, "{}", "checkpoint_last.pt"), feature.updates
     if feature.kind in ("train", "eval-bleu"):
         return [on_ranks(updates), alone_until("one", updates)], ("one", "ranks")
+    if feature.kind == "atomic-save":
+        script = os.path.join(folder, "killed_mid_write.py")
+        with open(script, "w") as f:
+            f.write(KILLED_MID_WRITE.replace("MARK", repr(os.path.join(folder, "killed.mark"))))
+        if cpu:  # (the launcher's ranks get 5 s to leave once one is dead; fairseq and the plugin are loaded before
+            # the ranks fork, as for fairseq-train itself)
+            killed = [sys.executable, "-m", "fairseq_moe.launch", "--nproc", str(W), "--grace-seconds", "5",
+                      "--preload", "fairseq_cli.train", "--", sys.executable, script, str(W - 1)]
+        else:  # (torchrun runs the script with this interpreter)
+            killed = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W),
+                      script, str(W - 1), "--distributed-world-size", str(W)]
+        argv = lambda name: train(name, *feature.ranks_only, *dist, "--max-update", str(updates))  # noqa: E731
+        return [("killed", [*killed, *argv("ranks")], env, "dies"),
+                ("ranks", [*ranks("fairseq-train"), *argv("ranks")], env),
+                ("reference", [*ranks("fairseq-train"), *argv("reference")], env)], ("reference", "ranks")
     if lm:  # (fairseq-eval-lm in blocks of 60 tokens: each rank's share of the sentences differs in length)
         argv = [*eval_lm_argv(corpus, last.format("ranks"), "--max-tokens", "60", cpu=cpu)]
         return [on_ranks(updates), alone_until("one", updates), ("evaluated-one", [*alone("fairseq-eval-lm"), *argv],
@@ -377,8 +418,24 @@ def compare_with_eval_lm(folder, a_name, b_name):
     return (loss_diff, "fairseq-eval-lm's loss") if loss_diff > diff else (diff, where)
 
 
+def compare_resumed(folder, a_name, b_name):
+    """compare's, and an infinite difference where b's set was not resumed from update 2's (the set before the
+    killed save) or does not end at a's update."""
+    from .checkpoints import sets
+    from .checkpoints.safe_load import register_safe_globals
+
+    register_safe_globals()
+    history = [h["num_updates"] for h in sets.assemble(os.path.join(folder, b_name, "checkpoint_last"))[
+        "optimizer_history"]]
+    want = [h["num_updates"] for h in sets.assemble(os.path.join(folder, a_name, "checkpoint_last"))[
+        "optimizer_history"]]
+    if history[-2:] != [2, want[-1]]:
+        return math.inf, f"the set after the kill resumed from update {history[:-1]} (not 2) to {history[-1]}"
+    return compare(folder, a_name, b_name)
+
+
 COMPARE = {"generate": compare_generated, "eval-bleu": compare_with_bleu,  # (else compare: the parameters)
-           "eval-lm": compare_with_eval_lm}
+           "eval-lm": compare_with_eval_lm, "atomic-save": compare_resumed}
 
 
 def run_feature(args, feature, data, work):
@@ -389,12 +446,15 @@ def run_feature(args, feature, data, work):
     os.makedirs(folder)
     start = time.monotonic()
     runs, (reference, other) = commands(args, feature, data, folder)
-    for name, cmd, env in runs:
+    for name, cmd, env, *dies in runs:
         log = os.path.join(folder, f"{name}.log")
         code = run(cmd, env, folder, log, args.timeout)
         if code is None:
             return "FAIL", f"the {name} run took over {args.timeout:g} s (a collective that never returned?): {log}"
-        if code != 0:
+        if dies and (code == 0 or not os.path.exists(os.path.join(folder, "killed.mark"))):
+            return "FAIL", (f"the {name} run exited {code} without its rank killed mid-save: {last_error(log)} "
+                            f"({log})")
+        if code != 0 and not dies:
             return "FAIL", f"the {name} run exited {code}: {last_error(log)} ({log})"
     try:
         diff, where = COMPARE.get(feature.kind, compare)(folder, reference, other)
@@ -415,8 +475,11 @@ def run(cmd, env, cwd, log, timeout):
     """cmd to its end, its output appended to log; -> its exit code, or None where it ran past timeout: then it
     gets SIGTERM (the launcher and torchrun stop their ranks on it: torchrun's workers would outlive a SIGKILL of
     torchrun, in sessions of their own), and SIGKILL GRACE_SECONDS later."""
+    # (the runs import the plugin from where this process did, whatever their cwd: the --user-dir they name)
+    path = os.pathsep.join(p for p in (os.path.dirname(USER_DIR), os.environ.get("PYTHONPATH")) if p)
     with open(log, "a") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **env), cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=dict(os.environ, **env, PYTHONPATH=path))
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -445,7 +508,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.list:
         for f in FEATURES:
-            print(f"{f.name:9}  {f.what}")
+            print(f"{f.name:{WIDTH}}  {f.what}")
         return 0
     try:
         settle(args)
@@ -470,7 +533,7 @@ def main(argv=None):
     for feature in chosen:
         status, line = run_feature(args, feature, data, work)
         failed += status == "FAIL"
-        print(f"{status}  {feature.name:9}  {line}", flush=True)
+        print(f"{status}  {feature.name:{WIDTH}}  {line}", flush=True)
     if failed:
         print(f"{failed} of {len(chosen)} features failed; their runs' logs are in {work}", flush=True)
     elif not args.work:
