@@ -12,7 +12,9 @@ its scores, the BLEU line). It prints one line per feature, e.g.
 
     PASS  spread       largest relative difference 2.7e-07 (at most 1e-04)     6.3 s
 
-the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3).
+the difference being, over every parameter tensor, max |W ranks - one process| / max(max |one process|, 1e-3)
+(generate and eval-lm: of the printed scores and loss too; atomic-save compares W ranks after the kill with W ranks
+without it).
 A feature the world size cannot run (the 2-D all-to-all needs 4 ranks or more) is a SKIP line; a run that fails or
 times out (a collective that never returns: the run gets SIGTERM, then SIGKILL) is a FAIL line naming its log, kept
 with the work folder. Exit status: 0 when nothing failed, 1 when a feature failed, 2 on bad input (one line, before
@@ -25,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -162,14 +165,15 @@ FEATURES = (
     Feature("reshard", "a set of W ranks resumed on one process (the experts re-cut, their optimizer state too)",
             kind="resume"),
     Feature("generate", "fairseq-generate on W ranks from the set, the experts spread: the hypotheses and their "
-            "scores of one process", kind="generate"),
+            "scores of one process", kind="generate", updates=40),
     Feature("eval-bleu", "--eval-bleu in training: every validation's beam search on W ranks, its BLEU one "
             "process's", flags=("--eval-bleu", "--eval-bleu-detok", "space", "--eval-bleu-args",
                                 '{"beam": 2, "max_len_b": 20}', "--max-tokens", "1600"), kind="eval-bleu", updates=6),
     Feature("atomic-save", "a rank killed while it writes a set: the folder keeps the set before, and the W ranks "
-            "resume from it as a run without the kill", flags=("--max-tokens", "100", "--save-interval-updates", "2",
+            "resume from it as a run without the kill", flags=("--max-tokens", "100", "--batch-size", "2",
+                                                               "--save-interval-updates", "2",
                                                                "--keep-interval-updates", "1"),
-            kind="atomic-save", updates=6),
+            kind="atomic-save", updates=6, min_ranks=2),
     Feature("eval-lm", "an MoE language model trained on W ranks, and fairseq-eval-lm from its set on W ranks: one "
             "process's parameters and loss", flags=("--moe-eval-capacity-token-fraction", "0"), kind="eval-lm"),
 )
@@ -252,8 +256,8 @@ def experts(nproc):
 
 
 def commands(args, feature, data, folder):
-    """([(name, command, environment additions)] of the feature's runs, in order; (the reference run, the run
-    compared with it)), each run saving into folder/NAME."""
+    """([(name, command, environment additions[, "dies": a run whose rank is to be killed])] of the feature's runs,
+    in order; (the reference run, the run compared with it)), each run saving into folder/NAME."""
     W, cpu = args.nproc, args.device == "cpu"
     common = (*EXACT, "--moe-expert-count", str(experts(W)), *feature.flags)
     lm = feature.kind == "eval-lm"
@@ -341,6 +345,9 @@ def compare(folder, a_name, b_name):
     return worst, where
 
 
+PRINTED = 1e-4  # fairseq prints scores and eval-lm's loss to 4 decimals: a last digit's rounding is no difference
+
+
 def generated(log):
     """{"H-12": [fields after the key], ...} of fairseq-generate's S/T/H/D/P lines, and its BLEU line, from a log."""
     lines, bleu = {}, []
@@ -363,6 +370,9 @@ def compare_generated(folder, a_name, b_name):
         return math.inf, f"the runs generated different sentences ({len(a)} and {len(b)} lines)"
     if bleu_a != bleu_b or len(bleu_a) != 1:
         return math.inf, f"the BLEU lines differ: {bleu_a} against {bleu_b}"
+    lengths = {len(x.split("\t", 1)[1].split()) for key, rows in a.items() if key[0] == "H" for x in rows}
+    if len(lengths) < 2:  # (then every rank's beam search took as many steps: the ranks' lockstep went untried)
+        return math.inf, "every hypothesis has the same length: train the model longer"
     worst, where = 0.0, None
     for key, want in a.items():
         got = b[key]
@@ -381,7 +391,7 @@ def compare_generated(folder, a_name, b_name):
             else:
                 pairs = []
             for u, v in pairs:
-                diff = abs(u - v) / max(abs(u), 1e-2)
+                diff = max(abs(u - v) - PRINTED, 0.0) / max(abs(u), 1e-2)
                 if diff > worst:
                     worst, where = diff, key
     return worst, where
@@ -414,7 +424,7 @@ def compare_with_eval_lm(folder, a_name, b_name):
     if one is None or many is None:
         return math.inf, f"no fairseq-eval-lm loss in the logs ({one} on one process, {many} on the ranks)"
     diff, where = compare(folder, a_name, b_name)
-    loss_diff = abs(many - one) / max(abs(one), 1e-3)
+    loss_diff = max(abs(many - one) - PRINTED, 0.0) / max(abs(one), 1e-3)
     return (loss_diff, "fairseq-eval-lm's loss") if loss_diff > diff else (diff, where)
 
 
@@ -442,7 +452,8 @@ def run_feature(args, feature, data, work):
     """-> (status, line) of one feature."""
     folder = os.path.join(work, feature.name)
     if args.nproc < feature.min_ranks or (feature.even_ranks and args.nproc % 2):
-        return "SKIP", f"needs an even number of ranks, {feature.min_ranks} or more (--nproc {args.nproc})"
+        even = "an even number of ranks, " if feature.even_ranks else ""
+        return "SKIP", f"needs {even}{feature.min_ranks} ranks or more (--nproc {args.nproc})"
     os.makedirs(folder)
     start = time.monotonic()
     runs, (reference, other) = commands(args, feature, data, folder)
@@ -476,7 +487,9 @@ def run(cmd, env, cwd, log, timeout):
     gets SIGTERM (the launcher and torchrun stop their ranks on it: torchrun's workers would outlive a SIGKILL of
     torchrun, in sessions of their own), and SIGKILL GRACE_SECONDS later."""
     # (the runs import the plugin from where this process did, whatever their cwd: the --user-dir they name)
-    path = os.pathsep.join(p for p in (os.path.dirname(USER_DIR), os.environ.get("PYTHONPATH")) if p)
+    parent = os.path.dirname(USER_DIR)  # (an installed plugin's is site-packages: nothing to add before the stdlib)
+    installed = parent in {*site.getsitepackages(), site.getusersitepackages()}
+    path = os.pathsep.join(p for p in (None if installed else parent, os.environ.get("PYTHONPATH")) if p)
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                 env=dict(os.environ, **env, PYTHONPATH=path))
