@@ -251,8 +251,8 @@ def program(name):
 
 
 def experts(nproc):
-    """A number of experts every rank holds a share of: 4, or W where W > 4 (a multiple of W either way)."""
-    return nproc * max(1, math.ceil(4 / nproc)) if nproc <= 4 else nproc
+    """The least multiple of W that is 4 or more: every rank holds as many experts (W > 4: one each)."""
+    return nproc * math.ceil(4 / nproc)
 
 
 def commands(args, feature, data, folder):
