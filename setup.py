@@ -14,6 +14,7 @@ setup(
     # fairseq_moe/__init__ (the plugin's door to fairseq) ever running.
     packages=find_packages(include=["fairseq_moe", "fairseq_moe.*", "fairseq_moe_layer", "fairseq_moe_layer.*",
                                     "fairseq_moe_kernels", "fairseq_moe_kernels.*"]),
+    package_data={"fairseq_moe_kernels": ["*.c"]},  # (cpu_adam.c: compiled at first use, cpu_adam.py)
     install_requires=[
         "torch>=2.1",
         # fairseq 0.12.2 does not install on Python 3.11; ve-fairseq ships fairseq 0.12.3 for it.

@@ -114,3 +114,46 @@ def adam_step(original):
         return loss
 
     return step
+
+
+def one_pass_serves(optimizer, p, p32):
+    """Whether the master p32 of the half parameter p takes one_pass_step: optimizer is fairseq's Adam (no amsgrad
+    in p32's group), p and its gradient are contiguous bf16 CPU tensors of p32's shape, p32 and its state (if any
+    yet) plain contiguous fp32 ones, and the kernel runs here (fairseq_moe_kernels.cpu_adam)."""
+    from fairseq.optim.adam import Adam
+
+    from fairseq_moe_kernels import cpu_adam
+
+    if type(optimizer) is not Adam or p.grad is None or p.grad.is_sparse:
+        return False
+    state = optimizer.state.get(p32, {})
+    group = next((g for g in optimizer.param_groups if any(q is p32 for q in g["params"])), None)
+    if group is None or group.get("amsgrad", False):
+        return False
+    half = [p.data, p.grad.data]
+    full = [p32.data] + [state[k] for k in _MOMENTS[:2] if k in state]
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and t.shape == p32.shape
+               for t in half + full) and all(t.dtype == torch.bfloat16 for t in half) and all(
+        t.dtype == torch.float32 for t in full) and (not state or "exp_avg_sq" in state) and cpu_adam.available()
+
+
+def one_pass_step(optimizer, pairs, factor):
+    """fairseq's Adam step (fairseq.optim.adam.Adam.step's arithmetic and state) of each master p32 in pairs [(p,
+    p32)] from p's bf16 gradient times factor (FP16Optimizer's multiply factor), p set to p32 rounded: one pass of
+    cpu_adam.adam_bf16_ over each, where fairseq's FP16Optimizer makes five (the gradient copied into an fp32 master
+    gradient, unscaled, Adam, the master copied back; the finite check stays the caller's)."""
+    from fairseq_moe_kernels import cpu_adam
+
+    group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
+    factor = float(factor)  # (a tensor after clipping: one value, on the CPU)
+    for p, p32 in pairs:
+        group, state = group_of[id(p32)], optimizer.state[p32]
+        if len(state) == 0:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p32.data)
+            state["exp_avg_sq"] = torch.zeros_like(p32.data)
+        beta1, beta2 = group["betas"]
+        cpu_adam.adam_bf16_(p32.data, p.data, p.grad.data, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                            step=state["step"] + 1, grad_scale=factor)
+        state["step"] += 1

@@ -12,23 +12,38 @@ no backward since zero_grad (a clip or a step without gradients) zeroes them the
 have. Everything else is fairseq's, bit for bit. (Multiplying by the factor as the sync copies, to save the
 unscale's pass, measured slower: torch.mul of a bf16 tensor by an fp32 one into an fp32 output ran at a fifth of a
 copy's speed on this CPU, 36 against 4.4 + 3.7 ms for copy then multiply, 2026-12-04.)
+
+bf16 experts under fairseq's Adam on the CPU go further: one pass (adam.one_pass_step, the compiled kernel of
+fairseq_moe_kernels.cpu_adam) reads each expert's bf16 gradient, multiplies it by the factor, steps Adam on the fp32
+master and writes the bf16 weight, where fairseq makes five passes (copy, unscale, the step, the copy back, and no
+master gradient is kept at all). The sync leaves such a master without a gradient and hands it the half one as
+`.half_grad` (hooks/optim.clip_grad_norm checks that one is finite, as it checks the masters'); step() steps those
+first, then fairseq's step does the rest (its Adam skips a master without a gradient) and copies every other master
+back. Where the kernel is not built here, or for any other optimizer, dtype or layout (adam.one_pass_serves):
+fairseq's path above. The values are fairseq's up to float rounding, not to the bit (the tests compare both).
 """
 import functools
+
 import torch
 
 from fairseq_moe_layer.experts import is_expert
+
+from . import adam
 
 
 class ExpertMasters:
     """FP16Optimizer's zero_grad and sync with the experts' masters zeroed only where no backward writes them. A class
     mixing it in gives _expert_pairs() [(half parameter, fp32 master)], _zero_dense_grads() and _sync_dense_grads()
-    (fairseq's, for the other masters)."""
+    (fairseq's, for the other masters), and skips the half parameters in _written when it copies the masters back."""
 
     _unzeroed = False  # the experts' master gradients are last update's: zero_grad left them
+    _written = frozenset()  # ids of the half parameters that one_pass_step wrote in this step
 
     def zero_grad(self):
         for p in self.fp16_params:
             p.grad = None
+        for _, p32 in self._expert_pairs():
+            p32.half_grad = None
         self._zero_dense_grads()
         self._unzeroed, self._needs_sync = True, False
         if self.scaler is not None:
@@ -38,19 +53,39 @@ class ExpertMasters:
         if not self._needs_sync:
             if self._unzeroed:  # (no backward since zero_grad: what fairseq's zero_grad left)
                 for _, p32 in self._expert_pairs():
-                    if p32.grad is not None:
+                    if p32.grad is None:  # (the one pass left none)
+                        p32.grad = torch.zeros_like(p32.data)
+                    else:
                         p32.grad.data.zero_()
                 self._unzeroed = False
             return
         self._sync_dense_grads()
+        optimizer = self.fp32_optimizer.optimizer
         for p, p32 in self._expert_pairs():
-            if p32.grad is None:
+            p32.half_grad = None
+            if adam.one_pass_serves(optimizer, p, p32):  # (stepped from the half gradient by step(): none kept)
+                p32.grad, p32.half_grad = None, p.grad.data
+            elif p32.grad is None:
                 p32.grad = torch.zeros_like(p32.data) if p.grad is None else p.grad.data.float()
             elif p.grad is None:
                 p32.grad.data.zero_()
             else:
                 p32.grad.data.copy_(p.grad.data)
         self._unzeroed = self._needs_sync = False
+
+    def step(self, closure=None, groups=None):
+        """The masters that the sync handed a half gradient stepped in one pass, then fairseq's step of the rest."""
+        self._sync_fp16_grads_to_fp32()
+        pairs = [(p, p32) for p, p32 in self._expert_pairs() if getattr(p32, "half_grad", None) is not None]
+        if pairs:
+            adam.one_pass_step(self.fp32_optimizer.optimizer, pairs, self._multiply_factor)
+        self._written = frozenset(id(p) for p, _ in pairs)
+        try:
+            super().step(closure, groups)
+        finally:
+            self._written = frozenset()
+            for _, p32 in pairs:
+                p32.half_grad = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +106,11 @@ def expert_fp16_class():
             for p, p32 in zip(self.fp16_params, self.fp32_params):
                 if p32.grad is not None and not (p.requires_grad and is_expert(p32)):
                     p32.grad.zero_()
+
+        def _sync_fp32_params_to_fp16(self):  # (fairseq's, but for those one_pass_step wrote)
+            for p, p32 in zip(self.fp16_params, self.fp32_params):
+                if p.requires_grad and id(p) not in self._written:
+                    p.data.copy_(p32.data)
 
         def _sync_dense_grads(self):  # (fairseq's, for the others)
             for p, p32 in self._pairs():

@@ -314,6 +314,7 @@ def clip_grad_norm(original):
         if not any(p is not None and is_expert(p) for p in params):  # (on every rank alike: the flag's collective)
             return norm
         experts = [p.grad for p in params if p is not None and getattr(p, "grad", None) is not None and is_expert(p)]
+        experts += [p.half_grad for p in params if getattr(p, "half_grad", None) is not None]  # (masters.py)
         bad = torch.zeros((), dtype=torch.float32, device=norm.device)
         if experts:
             bad = all_finite(experts).logical_not().to(bad)
@@ -416,7 +417,8 @@ def flat_fp16_class():
                 p = self.fp16_params[i]
                 p.data.copy_(self.flat.data[where].view_as(p.data))
             for i, p32 in zip(self.experts, self.expert_fp32):
-                self.fp16_params[i].data.copy_(p32.data)
+                if id(self.fp16_params[i]) not in self._written:  # (masters.py: the one pass wrote it)
+                    self.fp16_params[i].data.copy_(p32.data)
 
         def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
             """fairseq's FP16Optimizer.clip_grad_norm, the norm taken over each dense parameter's slice of the flat

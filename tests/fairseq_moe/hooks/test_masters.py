@@ -1,13 +1,18 @@
 """hooks/masters.py: FP16Optimizer with the experts' master gradients zeroed only where no backward writes them,
 against fairseq's own FP16Optimizer (the patch's original build) over the same parameters and gradients: bit for bit
 in bf16 and in fp16 with its loss scaler (an overflow's skipped update included), clipping or not, with a step that
-had no backward since zero_grad and one where an expert tensor got no gradient; the flat copy (--fp16) the same."""
+had no backward since zero_grad and one where an expert tensor got no gradient; the flat copy (--fp16) the same.
+Those with torch's ops (the kernel off); with the one-pass kernel (bf16 experts under Adam), fairseq's values up to
+float rounding, the dense parameters still to the bit, and no expert master gradient kept."""
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from fairseq_moe import patches
 from fairseq_moe.hooks import masters
+from fairseq_moe_kernels import cpu_adam
+
+from ...fairseq_moe_kernels.test_cpu_adam import built
 
 BUILD = ("fairseq.optim.fp16_optimizer:FP16Optimizer", "build_optimizer")
 
@@ -72,8 +77,14 @@ def train(opt, ps, steps, clip, overflow_at=(), skip_backward_at=()):
     return [p.detach().clone() for p in ps], [p.detach().clone() for p in opt.fp32_params], skipped
 
 
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The one-pass kernel off: fairseq's path with torch's ops for every master."""
+    monkeypatch.setattr(cpu_adam, "available", lambda: False)
+
+
 @pytest.mark.parametrize("half,clip", [(torch.bfloat16, 0.0), (torch.bfloat16, 0.05), (torch.float16, 0.0)])
-def test_bit_for_bit_fairseqs(half, clip):
+def test_bit_for_bit_fairseqs(half, clip, torch_ops):
     overflow = (2,) if half == torch.float16 else ()
     ours, ps = build(True, half)
     assert type(ours).__mro__[1] is masters.ExpertMasters
@@ -87,7 +98,7 @@ def test_bit_for_bit_fairseqs(half, clip):
             assert x.dtype == y.dtype and torch.equal(x, y)
 
 
-def test_the_flat_copy_is_the_non_flat_one_bit_for_bit():
+def test_the_flat_copy_is_the_non_flat_one_bit_for_bit(torch_ops):
     flat, ps = build(True, torch.float16, flat=True, frozen=False)
     assert type(flat).__name__ == "FP16Optimizer" and hasattr(flat, "flat")
     got = train(flat, ps, 6, 0.0, overflow_at=(2,))
@@ -98,7 +109,7 @@ def test_the_flat_copy_is_the_non_flat_one_bit_for_bit():
         assert torch.equal(x, y)
 
 
-def test_a_step_without_any_backward_since_zero_grad_has_zero_expert_gradients():
+def test_a_step_without_any_backward_since_zero_grad_has_zero_expert_gradients(torch_ops):
     """zero_grad leaves the experts' masters as they were: a clip or a step before any backward must still see
     zeros there (fairseq's zero_grad zeroed them)."""
     ours, ps = build(True, torch.bfloat16)
@@ -115,3 +126,46 @@ def test_without_experts_it_is_fairseqs_class():
 
     ps = [torch.nn.Parameter(torch.randn(4, 4).bfloat16())]
     assert type(FP16Optimizer.build_optimizer(cfg(torch.bfloat16), ps)) is FP16Optimizer
+
+
+@built
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_the_one_pass_is_fairseqs_up_to_rounding(clip):
+    """bf16 experts under Adam: the kernel steps them (no master gradient kept), fairseq's path the rest; against
+    fairseq's own FP16Optimizer over the same gradients (a step without backward and an expert without a gradient
+    included): the dense parameters and masters to the bit, the experts' masters within float rounding, each half
+    expert its master rounded."""
+    ours, ps = build(True, torch.bfloat16)
+    got = train(ours, ps, 6, clip, skip_backward_at=(4,))
+    theirs, qs = build(False, torch.bfloat16)
+    want = train(theirs, qs, 6, clip, skip_backward_at=(4,))
+    experts = [i for i, p in enumerate(ps) if getattr(p, "expert", False) and p.requires_grad]
+    assert experts == [1, 3]
+    for i, (x, y) in enumerate(zip(got[1], want[1])):
+        if i in experts:
+            assert (x - y).abs().max() <= 1e-6 * y.abs().max(), i
+            assert torch.equal(got[0][i], x.bfloat16())
+        else:
+            assert torch.equal(x, y) and torch.equal(got[0][i], want[0][i]), i
+    ours.zero_grad()
+    opt = ours.fp32_optimizer.optimizer
+    train(ours, ps, 1, clip)
+    assert [ours.fp32_params[i].grad for i in experts] == [None, None]  # (stepped from the bf16 gradients)
+    assert [opt.state[ours.fp32_params[i]]["step"] for i in experts] == [7, 7]
+
+
+@built
+def test_an_inf_in_a_bf16_expert_gradient_makes_the_norm_inf_before_any_step():
+    ours, ps = build(True, torch.bfloat16)
+    train(ours, ps, 1, 0.0)
+    before = [p.detach().clone() for p in ours.fp32_params]
+    ours.zero_grad()
+    targets = [torch.ones(p.shape) for p in ps]
+    targets[3][0, 0] = float("inf")
+    ours.backward(sum((p.float() * t).sum() for p, t in zip(ps, targets) if p.requires_grad))
+    assert getattr(ours.fp32_params[3], "half_grad", None) is None  # (handed over by the sync, in the clip)
+    norm = ours.clip_grad_norm(0.0)
+    assert ours.fp32_params[3].grad is None and ours.fp32_params[3].half_grad.data_ptr() == ps[3].grad.data_ptr()
+    assert torch.isinf(norm)  # (fairseq's Trainer stops there: FloatingPointError, no step)
+    for p, b in zip(ours.fp32_params, before):
+        assert torch.equal(p, b)

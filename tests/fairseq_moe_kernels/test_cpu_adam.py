@@ -1,0 +1,136 @@
+"""fairseq_moe_kernels/cpu_adam.py: the compiled one-pass bf16 Adam step against its PyTorch reference (the same
+signature, torch's ops one at a time) and against fairseq's own Adam step run in float64 over several steps; its
+bf16 rounding against torch's conversion on the special values; its threads' chunks; bad input is one line; no
+compiler is a reason, not a crash. With FAIRSEQ_MOE_CPU_ADAM=required (CI) a kernel that does not build here fails
+these tests instead of skipping them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_moe import patches
+from fairseq_moe_kernels import cpu_adam
+
+built = pytest.mark.skipif(os.environ.get("FAIRSEQ_MOE_CPU_ADAM") != "required" and not cpu_adam.available(),
+                           reason=f"the CPU Adam kernel does not build here: {cpu_adam.unavailable_reason()}")
+
+SETTINGS = [dict(lr=0.01, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0),
+            dict(lr=0.003, beta1=0.8, beta2=0.999, eps=1e-6, weight_decay=0.1)]
+
+
+def tensors(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    return [master, master.bfloat16(), torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g) * 0.1,
+            torch.rand(n, generator=g) * 0.01]
+
+
+def largest_relative(got, want):
+    return (got.double() - want.double()).abs().max().item() / max(want.double().abs().max().item(), 1e-30)
+
+
+@built
+@pytest.mark.parametrize("n", [1, 63, 65, 3 * 65536 + 77])
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("grad_scale,threads", [(1.0, 1), (0.3, 2), (1 / 4096, 3)])
+def test_kernel_is_its_reference_up_to_rounding(n, settings, grad_scale, threads):
+    ours, ref = tensors(n), tensors(n)
+    chunks = cpu_adam.adam_bf16_(*ours, **settings, step=4, grad_scale=grad_scale, threads=threads)
+    cpu_adam.adam_bf16_reference(*ref, **settings, step=4, grad_scale=grad_scale)
+    assert chunks == (1 if n < 2 * 65536 else threads)
+    for name, got, want in zip(("master", "weight", "grad", "exp_avg", "exp_avg_sq"), ours, ref):
+        if name == "grad":
+            assert torch.equal(got, want)  # (read only)
+        elif name != "weight":
+            assert largest_relative(got, want) <= 1e-6, name
+            assert not torch.equal(got, tensors(n)[("master", "weight", "grad", "exp_avg", "exp_avg_sq").index(name)])
+    assert torch.equal(ours[1], ours[0].bfloat16())  # the weight: the master rounded as torch rounds it
+
+
+@built
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_several_steps_are_fairseqs_float64_step_up_to_rounding(settings):
+    """Six steps of gradients that change scale: the kernel's master and moments are as near fairseq's own Adam
+    in float64 (its step on a float64 master from the same bf16 gradients, unscaled in float64) as fairseq's own
+    fp32 step (FP16Optimizer's path: the gradient made fp32, unscaled, fairseq's Adam) is."""
+    from fairseq.optim.adam import Adam
+
+    fairseq_step = patches.original("fairseq.optim.adam:Adam", "step")
+    n, scale = 5000, 1 / 37.0
+    start = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    exact = torch.nn.Parameter(start.double())
+    plain = torch.nn.Parameter(start.clone())
+    opts = [Adam([p], lr=settings["lr"], betas=(settings["beta1"], settings["beta2"]), eps=settings["eps"],
+                 weight_decay=settings["weight_decay"]) for p in (exact, plain)]
+    master, weight = start.clone(), start.bfloat16()
+    m, v = torch.zeros(n), torch.zeros(n)
+    for t in range(1, 7):
+        grad = (torch.randn(n, generator=torch.Generator().manual_seed(100 + t)) * 10.0 ** (t % 3 - 1)).bfloat16()
+        for p, opt in zip((exact, plain), opts):
+            p.grad = grad.to(p.dtype) * scale
+            fairseq_step(opt)
+        cpu_adam.adam_bf16_(master, weight, grad, m, v, **settings, step=t, grad_scale=scale)
+    for name, ours, theirs, want in (("master", master, plain.data, exact.data),
+                                     ("exp_avg", m, opts[1].state[plain]["exp_avg"], opts[0].state[exact]["exp_avg"]),
+                                     ("exp_avg_sq", v, opts[1].state[plain]["exp_avg_sq"],
+                                      opts[0].state[exact]["exp_avg_sq"])):
+        fairseq_error = (theirs.double() - want).abs().max().item()
+        our_error = (ours.double() - want).abs().max().item()
+        assert our_error <= 4 * fairseq_error + 1e-7 * want.abs().max().item(), (name, our_error, fairseq_error)
+    assert opts[0].state[exact]["step"] == 6
+    assert torch.equal(weight, master.bfloat16())
+
+
+@built
+def test_the_weight_rounds_special_values_as_torch_does():
+    """A step of zero size leaves the master as it was: the weight is then the kernel's rounding of each value,
+    which must be torch's (ties to even, overflow to inf, subnormals, signed zero, NaN)."""
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20, 3.3895e38,
+                             3.4028e38, float("inf"), float("-inf"), 1e-40, -1e-45, 1.17e-38, float("nan"), 65504.0,
+                             -2.5e-3])
+    n = specials.numel()
+    master, weight = specials.clone(), torch.full((n,), 7.0, dtype=torch.bfloat16)
+    cpu_adam.adam_bf16_(master, weight, torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
+                        lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
+    want = specials.bfloat16()
+    assert torch.equal(master.isnan(), specials.isnan())
+    assert torch.equal(weight.isnan(), want.isnan()) and weight.isnan().sum() == 1
+    keep = ~want.isnan()
+    assert torch.equal(weight[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
+def test_bad_input_is_one_line_naming_the_tensor():
+    ts = tensors(10)
+    ts[2] = ts[2].float()
+    with pytest.raises(ValueError, match=r"adam_bf16_: grad must be a contiguous torch.bfloat16 CPU tensor"):
+        cpu_adam.adam_bf16_reference(*ts, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
+    ts = tensors(10)
+    ts[3] = torch.zeros(20)[::2]
+    with pytest.raises(ValueError, match="exp_avg must be"):
+        cpu_adam.adam_bf16_(*ts, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
+
+
+def test_without_a_compiler_it_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_adam, "_compiler", lambda: None)
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and "no C compiler" in why
+    assert "keeps torch's ops" in caplog.text
+
+
+@built
+def test_a_fresh_cache_builds_in_one_process_and_serves_the_next(tmp_path):
+    """A new cache folder: the first process compiles into it (one whole file, no temporary left), the next loads
+    that file without compiling."""
+    code = ("import sys; from fairseq_moe_kernels import cpu_adam; lib = cpu_adam.library(); "
+            "print(lib._name if lib is not None else 'NONE ' + cpu_adam.unavailable_reason())")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(cpu_adam.__file__))), os.environ.get("PYTHONPATH", "")]))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    files = sorted(p.name for p in (tmp_path / "fairseq_moe").iterdir())
+    assert len(files) == 1 and files[0].startswith("cpu_adam-") and files[0].endswith(".so"), files
+    built_at = (tmp_path / "fairseq_moe" / files[0]).stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout == second.stdout and first.stdout.strip().endswith(files[0])
+    assert (tmp_path / "fairseq_moe" / files[0]).stat().st_mtime_ns == built_at
