@@ -113,11 +113,16 @@ SET_LINE = "--moe-keep-freed-memory: glibc's malloc keeps freed memory"  # (fair
 RUNS = (("dense", False, False), ("dense", False, True), ("moe", True, False), ("moe", True, True))
 
 
-def main(argv=None):
-    args = parser().parse_args(argv)
+def smoke_sizes(args):
+    """args, at tiny sizes where --smoke is given."""
     if args.smoke:
         args.experts, args.d, args.f, args.tokens, args.sample = 4, 32, 64, 256, 32
         args.updates, args.log_interval, args.rounds = 4, 1, 1
+    return args
+
+
+def main(argv=None):
+    args = smoke_sizes(parser().parse_args(argv))
     if os.environ.get("LD_PRELOAD"):
         print(f"note: LD_PRELOAD={os.environ['LD_PRELOAD']} is set: the runs may not use glibc's malloc")
     with tempfile.TemporaryDirectory(prefix="bench_fairseq_train_") as tmp:

@@ -28,3 +28,18 @@ def test_four_runs_and_their_ratios(tmp_path):
     assert [name for name, row in rows.items() if row["flag_logged"]] == ["moe keep"]
     assert rows["moe glibc"]["loss"] == rows["moe keep"]["loss"]
     assert rows["dense glibc"]["loss"] == rows["dense keep"]["loss"]
+
+
+@pytest.mark.slow
+def test_the_breakdown_times_each_part_of_an_moe_update():
+    """benchmarks/train_breakdown.py --smoke: one tiny bf16 MoE fairseq-train in its process; every timer printed,
+    the MoE layer's too, and its expert counts sum to the tokens of a batch (top-1)."""
+    got = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_breakdown.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    for part in ("train_step", "forward+backward", "backward", "clip_grad_norm", "step", "decoder layer 0",
+                 "decoder layer 1", "MoE layer 0 ", "MoE layer 0 on random input"):
+        assert part in got.stdout, part
+    counts = got.stdout.split("tokens per expert in its last training forward, sorted: ")[1].splitlines()[0]
+    counts = json.loads(counts)
+    assert len(counts) == 4 and sum(counts) > 0 and counts == sorted(counts)
