@@ -2,12 +2,14 @@
  * (CPU). cpu_adam.py compiles this file at first use, calls it through ctypes, and holds its PyTorch reference
  * (the same arithmetic in torch's ops, one op at a time): read that docstring first.
  *
- * Per element, in float32 and in torch's order (fairseq.optim.adam.Adam.step after FP16Optimizer's unscale):
+ * Per element, in float32, in the order of torch's ops in fairseq.optim.adam.Adam.step after FP16Optimizer's unscale
+ * (torch may fuse a multiply-add in add_(x, alpha=a); this file does not, so the two differ by float rounding):
  *   g = float(grad) * grad_scale
  *   m = m * beta1 + (1 - beta1) * g;  v = v * beta2 + (1 - beta2) * g * g
  *   p = p + (-lr * weight_decay) * p           (only where weight_decay != 0, as fairseq skips it)
  *   p = p + (-step_size) * m / (sqrt(v) + eps)
- *   weight = bf16(p), rounded to nearest even (torch's conversion; a NaN becomes 0x7fc0)
+ *   weight = bf16(p), rounded to nearest even (torch's conversion; a NaN becomes 0x7fc0,
+ *                                           where torch's vector path may give 0xffff: both are NaN)
  * Built with -ffp-contract=off: every operation is rounded as written, on any CPU (no fused multiply-add), so a
  * rank's result does not depend on which vector unit it ran on. */
 #include <math.h>

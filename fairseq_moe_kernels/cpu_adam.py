@@ -12,13 +12,16 @@ this project's CPU (one core, 67 M parameters, 2026-12-04): the five passes 65 m
 for the finite check of the bf16 gradient, which stays apart: fairseq skips or stops an update on a non-finite
 gradient before any parameter moves). No master gradient is kept at all (4 bytes a parameter less).
 
-The kernel is plain C (no torch headers, no ninja): it is compiled with the C compiler the build of Python names
-(sysconfig's CC), or $CC, or cc/gcc/clang on PATH, with -O3 -march=native, into a cache
-($XDG_CACHE_HOME/fairseq_moe, else ~/.cache/fairseq_moe) under a name that hashes the source, the compiler, its
-flags and this CPU's (a cluster's nodes may differ), written to a temporary name and renamed (ranks that compile at
-once each get a whole file); then checked against the reference on a few thousand elements. Where none of that
-works (no compiler, a read-only cache and temporary folder, a mismatch) library() says why in one log line, and
-available() is False: callers keep torch's ops (hooks/masters.py), which compute the same up to float rounding.
+The kernel is plain C (no torch headers, no ninja): it is compiled with $CC, else the C compiler this Python was
+built with (sysconfig's CC) where it is on PATH, else cc/gcc/clang, with -O3 -march=native, into a cache
+($XDG_CACHE_HOME/fairseq_moe, else ~/.cache/fairseq_moe, else $TMPDIR/fairseq_moe-UID) under a name that hashes
+the source, the compiler, its flags and this CPU's (a cluster's nodes may differ). The ranks of a node take a lock
+file, so one compiles and the others load its file; the file is written to a temporary name and renamed (a
+shared cache never holds half a file). A folder or library that another user owns or may write is never used
+(anyone may create a name in /tmp first). Loaded, it is checked against the reference on 200,000 elements.
+Where none of that works (no compiler, no usable folder, a mismatch, a compile over 300 s) library() says why in
+one log line, and available() is False: callers keep torch's ops (hooks/masters.py), which compute the same up to
+float rounding (torch's add_ with alpha may fuse a multiply-add; the kernel rounds each operation as written).
 """
 import ctypes
 import functools
@@ -30,11 +33,17 @@ import platform
 import shlex
 import shutil
 import subprocess
+import stat
 import sysconfig
 import tempfile
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no lock; each process compiles to its own temporary name)
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +148,29 @@ def _cache_dirs():
     yield Path(tempfile.gettempdir()) / f"fairseq_moe-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
+def _not_ours(path, kind):
+    """'' if `path` is a `kind` ('folder' or 'file', not a link) that this user owns and nobody else may write,
+    else why not: a library is loaded from it, and a shared temporary folder's names can be taken by anyone."""
+    st = os.lstat(path)
+    if not (stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)):
+        return f"{path} is not a plain {kind}"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o022:
+        return f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def _build():
-    """(the loaded, checked library, None) or (None, why not)."""
+    """(the loaded, checked library, None) or (None, why not). Never raises: training keeps torch's ops."""
+    try:
+        return _build_or_raise()
+    except Exception as e:  # (a missing source, a broken toolchain, a ctypes error: never a crashed training)
+        return _refuse(f"{type(e).__name__}: {e}")
+
+
+def _build_or_raise():
     cc = _compiler()
     if cc is None:
         return _refuse("no C compiler on PATH (cc, gcc or clang; or set CC)")
@@ -154,27 +183,40 @@ def _build():
     errors = []
     for folder in _cache_dirs():
         path = folder / f"cpu_adam-{key}.so"
-        if not path.exists():
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".cpu_adam-", suffix=".so", dir=folder)
-                os.close(fd)
-            except OSError as e:
-                errors.append(f"{folder}: {e}")
-                continue
-            try:
-                done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                      timeout=300)
-                if done.returncode != 0:
-                    return _refuse(f"{' '.join(cc)} could not compile {SOURCE.name}: "
-                                   f"{(done.stderr.strip().splitlines() or ['(no message)'])[0]}")
-                os.replace(tmp, path)
-            except (OSError, subprocess.SubprocessError) as e:
-                errors.append(f"{folder}: {e}")
-                continue
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = _not_ours(folder, "folder")
+        except OSError as e:
+            why = f"{folder}: {e}"
+        if why:
+            errors.append(why)
+            continue
+        try:
+            with open(folder / f".cpu_adam-{key}.lock", "a") as lock:
+                if fcntl is not None:  # (ranks of one node compile once; the others wait and load its file)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.exists():
+                    fd, tmp = tempfile.mkstemp(prefix=".cpu_adam-", suffix=".so", dir=folder)
+                    os.close(fd)
+                    try:
+                        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                              text=True, timeout=300)
+                        if done.returncode != 0:
+                            return _refuse(f"{' '.join(cc)} could not compile {SOURCE.name}: "
+                                           f"{(done.stderr.strip().splitlines() or ['(no message)'])[0]}")
+                        os.replace(tmp, path)
+                    finally:
+                        if os.path.exists(tmp):
+                            os.unlink(tmp)
+        except subprocess.TimeoutExpired:
+            return _refuse(f"{' '.join(cc)} took over 300 s to compile {SOURCE.name}")
+        except OSError as e:
+            errors.append(f"{folder}: {e}")
+            continue
+        why = _not_ours(path, "file")
+        if why:
+            errors.append(why)
+            continue
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:

@@ -119,6 +119,38 @@ def test_without_a_compiler_it_says_so(monkeypatch, caplog):
     assert "keeps torch's ops" in caplog.text
 
 
+def test_a_missing_source_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_adam, "SOURCE", tmp_path / "gone.c")
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and "gone.c" in why
+
+
+@built
+def test_a_folder_or_library_others_may_write_is_never_loaded(monkeypatch, tmp_path):
+    """Anyone may create a name in /tmp first, or a library in a shared folder: such a folder or file is passed
+    over for the next folder, and with none left the kernel is refused, each reason named."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_adam.tempfile, "tempdir", str(tmp_path / "tmp"))
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is not None, why
+    (so,) = (tmp_path / "cache" / "fairseq_moe").glob("*.so")
+    so.chmod(0o777)
+    (tmp_path / "tmp").mkdir()
+    planted = tmp_path / "tmp" / f"fairseq_moe-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and "no cache folder" in why
+    assert f"{so} may be written by others (mode 777)" in why and f"{planted} may be written by others" in why
+    so.chmod(0o700)
+    planted.chmod(0o700)
+    link = tmp_path / "cache" / "fairseq_moe"
+    link.rename(tmp_path / "elsewhere")
+    link.symlink_to(tmp_path / "elsewhere")
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is not None and list(planted.glob("*.so")), "a linked cache is passed over for the next folder"
+
+
 @built
 def test_a_fresh_cache_builds_in_one_process_and_serves_the_next(tmp_path):
     """A new cache folder: the first process compiles into it (one whole file, no temporary left), the next loads
@@ -128,8 +160,8 @@ def test_a_fresh_cache_builds_in_one_process_and_serves_the_next(tmp_path):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(cpu_adam.__file__))), os.environ.get("PYTHONPATH", "")]))
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    files = sorted(p.name for p in (tmp_path / "fairseq_moe").iterdir())
-    assert len(files) == 1 and files[0].startswith("cpu_adam-") and files[0].endswith(".so"), files
+    files = sorted(p.name for p in (tmp_path / "fairseq_moe").iterdir() if p.suffix == ".so")
+    assert len(files) == 1 and files[0].startswith("cpu_adam-"), files  # (and its lock file: no temporary left)
     built_at = (tmp_path / "fairseq_moe" / files[0]).stat().st_mtime_ns
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert first.stdout == second.stdout and first.stdout.strip().endswith(files[0])
