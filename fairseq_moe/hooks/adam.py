@@ -139,9 +139,10 @@ def one_pass_serves(optimizer, p, p32):
 
 def one_pass_step(optimizer, pairs, factor):
     """fairseq's Adam step (fairseq.optim.adam.Adam.step's arithmetic and state) of each master p32 in pairs [(p,
-    p32)] from p's bf16 gradient times factor (FP16Optimizer's multiply factor), p set to p32 rounded: one pass of
-    cpu_adam.adam_bf16_ over each, where fairseq's FP16Optimizer makes five (the gradient copied into an fp32 master
-    gradient, unscaled, Adam, the master copied back; the finite check stays the caller's)."""
+    p32)] from the bf16 gradient the sync handed it (p32.half_grad, the one the finite check read) times factor
+    (FP16Optimizer's multiply factor), p set to p32 rounded: one pass of cpu_adam.adam_bf16_ over each, where
+    fairseq's FP16Optimizer makes five (the gradient copied into an fp32 master gradient, unscaled, Adam, the master
+    copied back; the finite check stays the caller's)."""
     from fairseq_moe_kernels import cpu_adam
 
     group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
@@ -153,7 +154,7 @@ def one_pass_step(optimizer, pairs, factor):
             state["exp_avg"] = torch.zeros_like(p32.data)
             state["exp_avg_sq"] = torch.zeros_like(p32.data)
         beta1, beta2 = group["betas"]
-        cpu_adam.adam_bf16_(p32.data, p.data, p.grad.data, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+        cpu_adam.adam_bf16_(p32.data, p.data, p32.half_grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                             step=state["step"] + 1, grad_scale=factor)
         state["step"] += 1
