@@ -95,6 +95,15 @@ def main(argv=None):
                    help="bf16 experts' masters by torch's ops, not fairseq_moe_kernels/cpu_adam")
     p.add_argument("--fp32", action="store_true", help="without --bf16")
     args, rest = p.parse_known_args(argv)
+    for flag in ("--rounds", "--json", "--bf16"):  # (bench_fairseq_train's, meaningless for one timed run here)
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            p.error(f"{flag} is bench_fairseq_train.py's: this tool times one run, in bf16 unless --fp32, and prints")
+    if not (args.dense or args.fp32 or args.no_one_pass):
+        from fairseq_moe_kernels import cpu_adam
+
+        if not cpu_adam.available():
+            p.error("the one pass (fairseq_moe_kernels/cpu_adam) does not run here: "
+                    f"{cpu_adam.unavailable_reason()}; pass --no-one-pass to time torch's ops")
     bench = bench_fairseq_train.smoke_sizes(bench_fairseq_train.parser().parse_args(
         rest + ([] if args.fp32 else ["--bf16"])))
     with tempfile.TemporaryDirectory(prefix="train_breakdown_") as tmp:
@@ -106,7 +115,7 @@ def run(args, argv):
     from fairseq import options
     from fairseq import trainer as fairseq_trainer
     from fairseq.distributed import utils as distributed_utils
-    from fairseq.optim import fp16_optimizer
+    from fairseq.optim import fairseq_optimizer, fp16_optimizer
     from fairseq.tasks import fairseq_task
     from fairseq_cli import train
 
@@ -115,9 +124,9 @@ def run(args, argv):
     parsed = options.parse_args_and_arch(parser)
     timed(fairseq_trainer.Trainer, "train_step", "train_step")
     timed(fairseq_task.FairseqTask, "train_step", "forward+backward")
-    timed(fp16_optimizer._FP16OptimizerMixin, "backward", "backward")
-    timed(fp16_optimizer._FP16OptimizerMixin, "clip_grad_norm", "clip_grad_norm")
-    timed(fp16_optimizer._FP16OptimizerMixin, "step", "step")
+    for cls in (fp16_optimizer._FP16OptimizerMixin, fairseq_optimizer.FairseqOptimizer):  # (bf16's, fp32's)
+        for name in ("backward", "clip_grad_norm", "step"):
+            timed(cls, name, name)
     models = []
     build = fairseq_trainer.Trainer.__init__
 
@@ -153,12 +162,15 @@ def run(args, argv):
 
         moe_layer.MoELayer.forward = moe_forward
     distributed_utils.call_main(train.convert_namespace_to_omegaconf(parsed), train.main)  # (the tool's: patched)
-    report(layers)
+    report(args, layers)
 
 
-def report(layers):
+def report(args, layers):
     counted = max(len(TIMES["train_step"]) - 5, 0) or len(TIMES["train_step"])
     print(f"\nper update, median of {counted} updates (the first 5 left out where there are more), ms:")
+    print(f"  {'fp32' if args.fp32 else 'bf16'}, {'dense' if args.dense else 'MoE'}"
+          + ("" if args.dense or args.fp32 else ", experts' masters by " + (
+              "torch's ops (--no-one-pass)" if args.no_one_pass else "fairseq_moe_kernels/cpu_adam's one pass")))
     for key in ("train_step", "forward+backward", "backward", "clip_grad_norm", "step"):
         if key in TIMES:
             print(f"  {key:20s} {median_ms(TIMES[key]):8.1f}")

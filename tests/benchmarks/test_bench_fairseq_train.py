@@ -31,15 +31,29 @@ def test_four_runs_and_their_ratios(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_breakdown_times_each_part_of_an_moe_update():
-    """benchmarks/train_breakdown.py --smoke: one tiny bf16 MoE fairseq-train in its process; every timer printed,
-    the MoE layer's too, and its expert counts sum to the tokens of a batch (top-1)."""
-    got = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_breakdown.py"), "--smoke"],
-                         capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_breakdown_times_each_part_of_an_moe_update(precision):
+    """benchmarks/train_breakdown.py --smoke: one tiny MoE fairseq-train in its process, bf16 and fp32 (fairseq's
+    optimizers, not FP16Optimizer's); every timer printed, the MoE layer's too, and its expert counts sum to the
+    tokens of a batch (top-1)."""
+    got = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_breakdown.py"), "--smoke"]
+                         + (["--fp32"] if precision == "fp32" else []), capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    assert f"  {precision}, MoE" in got.stdout
     for part in ("train_step", "forward+backward", "backward", "clip_grad_norm", "step", "decoder layer 0",
                  "decoder layer 1", "MoE layer 0 ", "MoE layer 0 on random input"):
         assert part in got.stdout, part
     counts = got.stdout.split("tokens per expert in its last training forward, sorted: ")[1].splitlines()[0]
     counts = json.loads(counts)
     assert len(counts) == 4 and sum(counts) > 0 and counts == sorted(counts)
+
+
+@pytest.mark.parametrize("flag", ["--rounds=2", "--json", "--bf16"])
+def test_the_breakdown_refuses_the_benchmarks_flags_it_would_ignore(flag, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import train_breakdown
+
+    with pytest.raises(SystemExit) as exit:
+        train_breakdown.main([flag] + (["out.json"] if flag == "--json" else []))
+    assert exit.value.code == 2
+    assert f"{flag.split('=')[0]} is bench_fairseq_train.py's" in capsys.readouterr().err
