@@ -5,14 +5,16 @@ profiler changes what the allocator reuses, and showed ops of the dense layers 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_breakdown.py --dense    # its dense twin
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_breakdown.py --no-one-pass   # bf16 experts' masters by
                                                                                  # torch's ops (hooks/masters.py)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_breakdown.py --updates 120   # and per 20 updates
 
 One fairseq-train, in this process, on bench_fairseq_train.py's model and random words (its flags: --experts,
 --tokens, --updates, --smoke...; bf16 unless --fp32). Per update, the median after the first 5: the whole train_step, the
 forward and backward (the task's train_step), the backward alone, the optimizer's clip_grad_norm and step; per
 decoder layer and per MoE layer, forward and backward (stamps on each one's input and output gradients). Then
-each MoE layer again on random input of the same shape in the same process (its router balanced by chance: the
-cost of its routing as trained so far shows as the difference), and the expert counts of its last training
-forward.
+each MoE layer again in the same process on random input of the same shape (its router balanced by chance: the
+cost of its routing as trained so far shows as the difference) and on its last training input and output gradient
+(the same shapes as that update: the same GEMM kernels), and the expert counts of its last training forward. With 40
+updates or more, also the medians per 20 updates of train_step and of each MoE layer's forward and backward.
 """
 import argparse
 import os
@@ -83,6 +85,9 @@ def stamped(module, name, first_output):
     module.forward = forward
 
 
+WINDOW = 20  # updates per line of the report's windows (runs of 40 updates or more)
+
+
 def median_ms(values, skip=5):
     values = values[skip:] or values  # (--smoke: fewer updates than skip)
     return 1e3 * statistics.median(values)
@@ -95,17 +100,21 @@ def main(argv=None):
                    help="bf16 experts' masters by torch's ops, not fairseq_moe_kernels/cpu_adam")
     p.add_argument("--fp32", action="store_true", help="without --bf16")
     args, rest = p.parse_known_args(argv)
-    for flag in ("--rounds", "--json", "--bf16"):  # (bench_fairseq_train's, meaningless for one timed run here)
-        if any(a == flag or a.startswith(flag + "=") for a in rest):
-            p.error(f"{flag} is bench_fairseq_train.py's: this tool times one run, in bf16 unless --fp32, and prints")
+    if args.no_one_pass and (args.dense or args.fp32):
+        p.error("--no-one-pass is about the MoE model's bf16 experts: not with --dense or --fp32")
+    bench = bench_fairseq_train.parser().parse_args(rest)
+    defaults = bench_fairseq_train.parser().parse_args([])
+    for flag in ("rounds", "json", "bf16"):  # (bench_fairseq_train's, meaningless for one timed run here: any spelling)
+        if getattr(bench, flag) != getattr(defaults, flag):
+            p.error(f"--{flag} is bench_fairseq_train.py's: this tool times one run, in bf16 unless --fp32, and prints")
     if not (args.dense or args.fp32 or args.no_one_pass):
         from fairseq_moe_kernels import cpu_adam
 
         if not cpu_adam.available():
             p.error("the one pass (fairseq_moe_kernels/cpu_adam) does not run here: "
                     f"{cpu_adam.unavailable_reason()}; pass --no-one-pass to time torch's ops")
-    bench = bench_fairseq_train.smoke_sizes(bench_fairseq_train.parser().parse_args(
-        rest + ([] if args.fp32 else ["--bf16"])))
+    bench.bf16 = not args.fp32
+    bench = bench_fairseq_train.smoke_sizes(bench)
     with tempfile.TemporaryDirectory(prefix="train_breakdown_") as tmp:
         data = bench_fairseq_train.corpus(Path(tmp))
         run(args, bench_fairseq_train.train_argv(bench, data, not args.dense, False)[3:])
@@ -157,7 +166,8 @@ def run(args, argv):
             y, aux = original(self, Stamp.apply(x, ("in", name)), *a, **kw)
             record(("fwd", name), time.perf_counter() - start)
             if self.training:
-                self.last_counts, self.last_shape = aux.counts.tolist(), x.shape
+                self.last_counts, self.last_input = aux.counts.tolist(), x.detach().clone()
+                y.register_hook(lambda g: setattr(self, "last_grad", g.detach().clone()))
             return Stamp.apply(y, ("out", name)), aux
 
         moe_layer.MoELayer.forward = moe_forward
@@ -178,23 +188,37 @@ def report(args, layers):
     for name in names:
         backward = [a - b for a, b in zip(TIMES[("in", name)], TIMES[("out", name)])]
         print(f"  {name:20s} forward {median_ms(TIMES[('fwd', name)]):7.1f}  backward {median_ms(backward):7.1f}")
+    updates = len(TIMES["train_step"])
+    if updates >= 2 * WINDOW:  # (how the time per update moves over a longer run: oneDNN's kernels for new shapes)
+        print(f"per {WINDOW} updates (median ms; the first window with the warm-up):")
+        for lo in range(0, updates - WINDOW + 1, WINDOW):
+            cells = [f"train_step {1e3 * statistics.median(TIMES['train_step'][lo:lo + WINDOW]):7.1f}"]
+            for name in names:
+                if name.startswith("MoE"):
+                    fwd = TIMES[("fwd", name)][lo:lo + WINDOW]
+                    bwd = [a - b for a, b in zip(TIMES[("in", name)][lo:lo + WINDOW], TIMES[("out", name)][lo:lo + WINDOW])]
+                    cells.append(f"{name} {1e3 * statistics.median(fwd):6.1f} + {1e3 * statistics.median(bwd):6.1f}")
+            print(f"  updates {lo + 1:4d}-{lo + WINDOW:<4d} " + "  ".join(cells))
     for i, layer in enumerate(layers):
-        shape = layer.last_shape
-        dtype = next(layer.parameters()).dtype
-        x = torch.randn(shape, dtype=dtype, requires_grad=True)
-        grad = torch.randn(shape, dtype=dtype)
-        forward, backward = [], []
-        for _ in range(8):
-            for p in layer.parameters():
-                p.grad = None
-            start = time.perf_counter()
-            y, aux = layer(x)
-            middle = time.perf_counter()
-            (y.float() * grad).sum().add(aux.balance_loss * 0.01).backward()
-            forward.append(middle - start)
-            backward.append(time.perf_counter() - middle)
-        print(f"  MoE layer {i} on random input of {tuple(shape)}: forward {median_ms(forward, 3):7.1f}  backward "
-              f"{median_ms(backward, 3):7.1f}")
+        layer.train()  # (as in training: its activation dropout)
+        shape, dtype = layer.last_input.shape, layer.last_input.dtype
+        noise = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
+        inputs = {f"random input of {tuple(shape)}": noise,
+                  "its last training input and output gradient": (layer.last_input, layer.last_grad)}
+        for what, (x, grad) in inputs.items():
+            x = x.detach().requires_grad_()
+            forward, backward = [], []
+            for _ in range(8):
+                for p in layer.parameters():
+                    p.grad = None
+                start = time.perf_counter()
+                y, aux = layer(x)
+                middle = time.perf_counter()
+                torch.autograd.backward([y, aux.balance_loss], [grad.to(y.dtype), torch.ones_like(aux.balance_loss)])
+                forward.append(middle - start)
+                backward.append(time.perf_counter() - middle)
+            print(f"  MoE layer {i} on {what}: forward {median_ms(forward, 3):7.1f}  backward "
+                  f"{median_ms(backward, 3):7.1f}")
         print(f"  MoE layer {i}: tokens per expert in its last training forward, sorted: {sorted(layer.last_counts)}")
 
 

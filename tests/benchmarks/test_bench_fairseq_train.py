@@ -30,8 +30,16 @@ def test_four_runs_and_their_ratios(tmp_path):
     assert rows["dense glibc"]["loss"] == rows["dense keep"]["loss"]
 
 
+def _one_pass_here():
+    from fairseq_moe_kernels import cpu_adam
+
+    return os.environ.get("FAIRSEQ_MOE_CPU_ADAM") == "required" or cpu_adam.available()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", [
+    pytest.param("bf16", marks=pytest.mark.skipif("not _one_pass_here()", reason="no C compiler for cpu_adam here")),
+    "fp32"])
 def test_the_breakdown_times_each_part_of_an_moe_update(precision):
     """benchmarks/train_breakdown.py --smoke: one tiny MoE fairseq-train in its process, bf16 and fp32 (fairseq's
     optimizers, not FP16Optimizer's); every timer printed, the MoE layer's too, and its expert counts sum to the
@@ -41,14 +49,15 @@ def test_the_breakdown_times_each_part_of_an_moe_update(precision):
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
     assert f"  {precision}, MoE" in got.stdout
     for part in ("train_step", "forward+backward", "backward", "clip_grad_norm", "step", "decoder layer 0",
-                 "decoder layer 1", "MoE layer 0 ", "MoE layer 0 on random input"):
+                 "decoder layer 1", "MoE layer 0 ", "MoE layer 0 on random input",
+                 "MoE layer 0 on its last training input and output gradient"):
         assert part in got.stdout, part
     counts = got.stdout.split("tokens per expert in its last training forward, sorted: ")[1].splitlines()[0]
     counts = json.loads(counts)
     assert len(counts) == 4 and sum(counts) > 0 and counts == sorted(counts)
 
 
-@pytest.mark.parametrize("flag", ["--rounds=2", "--json", "--bf16"])
+@pytest.mark.parametrize("flag", ["--rounds=2", "--roun=2", "--json", "--bf16", "--bf"])
 def test_the_breakdown_refuses_the_benchmarks_flags_it_would_ignore(flag, capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_breakdown
@@ -56,4 +65,15 @@ def test_the_breakdown_refuses_the_benchmarks_flags_it_would_ignore(flag, capsys
     with pytest.raises(SystemExit) as exit:
         train_breakdown.main([flag] + (["out.json"] if flag == "--json" else []))
     assert exit.value.code == 2
-    assert f"{flag.split('=')[0]} is bench_fairseq_train.py's" in capsys.readouterr().err
+    name = {"--roun": "--rounds", "--bf": "--bf16"}.get(flag.split("=")[0], flag.split("=")[0])
+    assert f"{name} is bench_fairseq_train.py's" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("other", ["--dense", "--fp32"])
+def test_the_breakdown_refuses_no_one_pass_where_it_means_nothing(other, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import train_breakdown
+
+    with pytest.raises(SystemExit) as exit:
+        train_breakdown.main(["--no-one-pass", other])
+    assert exit.value.code == 2 and "not with --dense or --fp32" in capsys.readouterr().err
