@@ -22,6 +22,10 @@ shared cache never holds half a file). A folder or library that another user own
 Where none of that works (no compiler, no usable folder, a mismatch, a compile over 300 s) library() says why in
 one log line, and available() is False: callers keep torch's ops (hooks/masters.py), which compute the same up to
 float rounding (torch's add_ with alpha may fuse a multiply-add; the kernel rounds each operation as written).
+A compile that failed or timed out leaves a note beside the lock (cpu_adam-KEY.failed, its reason): the node's other
+ranks, and later runs, refuse at once instead of compiling again (delete the note to retry).
+FAIRSEQ_MOE_CPU_ADAM=off in the environment keeps torch's ops without trying (to reproduce a run made without the
+kernel: the two differ in float rounding).
 """
 import ctypes
 import functools
@@ -171,6 +175,8 @@ def _build():
 
 
 def _build_or_raise():
+    if os.environ.get("FAIRSEQ_MOE_CPU_ADAM") == "off":
+        return _refuse("FAIRSEQ_MOE_CPU_ADAM=off")
     cc = _compiler()
     if cc is None:
         return _refuse("no C compiler on PATH (cc, gcc or clang; or set CC)")
@@ -195,21 +201,14 @@ def _build_or_raise():
             with open(folder / f".cpu_adam-{key}.lock", "a") as lock:
                 if fcntl is not None:  # (ranks of one node compile once; the others wait and load its file)
                     fcntl.flock(lock, fcntl.LOCK_EX)
+                failed = folder / f"cpu_adam-{key}.failed"
+                if not path.exists() and failed.exists():  # (another rank's, or an earlier run's, failed compile)
+                    return _refuse(f"{failed.read_text().strip()} (noted in {failed}: delete it to try again)")
                 if not path.exists():
-                    fd, tmp = tempfile.mkstemp(prefix=".cpu_adam-", suffix=".so", dir=folder)
-                    os.close(fd)
-                    try:
-                        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                                              text=True, timeout=300)
-                        if done.returncode != 0:
-                            return _refuse(f"{' '.join(cc)} could not compile {SOURCE.name}: "
-                                           f"{(done.stderr.strip().splitlines() or ['(no message)'])[0]}")
-                        os.replace(tmp, path)
-                    finally:
-                        if os.path.exists(tmp):
-                            os.unlink(tmp)
-        except subprocess.TimeoutExpired:
-            return _refuse(f"{' '.join(cc)} took over 300 s to compile {SOURCE.name}")
+                    why = _compile(cc, folder, path)
+                    if why:
+                        failed.write_text(why + "\n")
+                        return _refuse(why)
         except OSError as e:
             errors.append(f"{folder}: {e}")
             continue
@@ -230,6 +229,27 @@ def _build_or_raise():
             return _refuse(f"{path} disagrees with its reference ({wrong})")
         return lib, None
     return _refuse("no cache folder to build in: " + "; ".join(errors))
+
+
+def _compile(cc, folder, path):
+    """Compiles SOURCE into path (through a temporary name); -> '' or why not."""
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_adam-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines()
+            message = next((ln for ln in lines if "error" in ln), lines[0] if lines else "(no message)")
+            return f"{' '.join(cc)} could not compile {SOURCE}: {message.strip()}"
+        os.chmod(tmp, 0o755)  # (whatever the linker and umask left: _not_ours refuses a file others may write)
+        os.replace(tmp, path)
+        return ""
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(cc)} took over 300 s to compile {SOURCE}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _refuse(why):

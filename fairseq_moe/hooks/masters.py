@@ -77,10 +77,10 @@ class ExpertMasters:
         """The masters that the sync handed a half gradient stepped in one pass, then fairseq's step of the rest."""
         self._sync_fp16_grads_to_fp32()
         pairs = [(p, p32) for p, p32 in self._expert_pairs() if getattr(p32, "half_grad", None) is not None]
-        if pairs:
-            adam.one_pass_step(self.fp32_optimizer.optimizer, pairs, self._multiply_factor)
-        self._written = frozenset(id(p) for p, _ in pairs)
         try:
+            if pairs:
+                adam.one_pass_step(self.fp32_optimizer.optimizer, pairs, self._multiply_factor)
+            self._written = frozenset(id(p) for p, _ in pairs)
             super().step(closure, groups)
         finally:
             self._written = frozenset()

@@ -166,3 +166,30 @@ def test_a_fresh_cache_builds_in_one_process_and_serves_the_next(tmp_path):
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert first.stdout == second.stdout and first.stdout.strip().endswith(files[0])
     assert (tmp_path / "fairseq_moe" / files[0]).stat().st_mtime_ns == built_at
+
+
+def test_off_in_the_environment_keeps_torchs_ops(monkeypatch):
+    monkeypatch.setenv("FAIRSEQ_MOE_CPU_ADAM", "off")
+    monkeypatch.setattr(cpu_adam, "_compiler", lambda: pytest.fail("FAIRSEQ_MOE_CPU_ADAM=off looked for a compiler"))
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and why == "FAIRSEQ_MOE_CPU_ADAM=off"
+
+
+def test_a_failed_compile_is_noted_and_not_tried_again(monkeypatch, tmp_path):
+    """A compiler that fails (or times out) leaves a note under the lock: the node's other ranks and later runs
+    refuse at once, naming the error and the note, instead of each compiling again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fake = tmp_path / "fakecc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fakecc 1; exit 0; }\n"
+                    "echo 'x.c: In function f:' >&2; echo 'x.c:3: error: broken here' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(cpu_adam, "_compiler", lambda: [str(fake)])
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and "could not compile" in why and "error: broken here" in why, why
+    (note,) = (tmp_path / "fairseq_moe").glob("cpu_adam-*.failed")
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fakecc 1; exit 0; }\ntouch " +
+                    str(tmp_path / "compiled-again") + "\nexit 1\n")
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and "error: broken here" in why and str(note) in why, why
+    assert not (tmp_path / "compiled-again").exists()
+    assert not list((tmp_path / "fairseq_moe").glob("*.so")), "no library, no temporary left"
