@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# The device run of the GPU side of the kernels, in one call (from the repository root, on a CUDA
-# machine that has torch and triton; fairseq is not needed):
-#     bash benchmarks/gpu_check.sh [OUT_DIR]
-# 1. the gpu-marked tests: bf16/fp16 kernels (Triton, and the expert MLP on torch's grouped_mm that
-#    --moe-kernel-backend auto takes on CUDA) against fp32 references, offsets past 2^31, determinism;
-# 2. benchmarks/bench_kernels.py: correctness on the device of every backend (triton, grouped_mm, torch),
-#    then timings against the device's dense bf16 matmul rate and copy bandwidth, with PASS/FAIL per
-#    target (JSON + log in OUT_DIR);
-# 3. benchmarks/bench_train.py: training tokens/s of a quickstart-size MoE LM over its dense equivalent (same
-#    active FLOPs), bf16 autocast, plain PyTorch (no fairseq: the device's Python has no fairseq wheel).
-# The steps have time limits that together stay under 10 minutes. Record the figures in
+# The device check, in one call from the repository root (benchmarks/device_check.py says what each step does):
+#     bash benchmarks/gpu_check.sh [OUT_DIR]                  # on a CUDA machine: under 10 minutes
+#     bash benchmarks/gpu_check.sh --device cpu OUT_DIR       # its rehearsal on a CPU, tiny sizes (a test runs it)
+# Flags after OUT_DIR go to benchmarks/device_check.py (--skip STEP..., --selftest-only FEATURE..., --budget-s S).
+# Where the device's Python has no fairseq (the lent GPU machines' image: Python 3.12, torch, triton, no fairseq),
+# it is installed first from the wheels in .whl/ at the repository root, which `bash benchmarks/device_wheels.sh`
+# downloads beforehand on a machine with the package registry (carried along with the repository), into a
+# temporary folder put on PYTHONPATH; nothing is installed into the device's own Python. $PYTHON picks the Python.
+# Results: OUT_DIR (default gpu_out) holds at most 8 files, summary.txt with a line per step. Record the figures in
 # benchmarks/kernel_notes.md (device, date, command), which benchmarks/README.md links.
 set -uo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then DEVICE="${2:?--device takes cuda or cpu}"; shift 2; fi
 OUT="${1:-${OUT:-gpu_out}}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ $# -gt 0 ] && shift
 PY="${PYTHON:-python3}"
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-    2>&1 | tee "$OUT/env.txt"
-timeout 220 "$PY" -m pytest -q -m gpu tests/fairseq_moe_kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
-timeout 280 "$PY" benchmarks/bench_kernels.py --budget-s 200 --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
-timeout 90 "$PY" benchmarks/bench_train.py --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import fairseq" 2>/dev/null; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_check: this Python ($PY) has no fairseq and .whl/ holds no wheels: run 'bash benchmarks/device_wheels.sh' where pip reaches the package registry, and carry .whl/ here" >&2
+        exit 2
+    fi
+    SITE="$(mktemp -d)/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || {
+        echo "gpu_check: installing the wheels of .whl/ failed (above)" >&2; exit 2; }
+    export PYTHONPATH="$PYTHONPATH:$SITE"  # (after the repository: the plugin is the checkout's)
+fi
+exec "$PY" benchmarks/device_check.py --device "$DEVICE" --out "$OUT" "$@"

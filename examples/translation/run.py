@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--upcycle-at", type=int, default=None,
                    help="the dense update to upcycle (default: half the budget)")
     p.add_argument("--seed", type=int, default=1, help="training seed (both models)")
+    p.add_argument("--log-interval", type=int, default=50,
+                   help="updates between training log lines (and the MoE's expert-load records)")
     a = p.parse_args(argv)
     validate(p, a)
     return a
@@ -92,7 +94,7 @@ def parse_args(argv=None):
 
 def validate(parser, a):
     """Turn bad combinations into argparse errors that name the flag."""
-    for flag in ("max_update", "max_tokens", "experts", "top_k", "lr"):
+    for flag in ("max_update", "max_tokens", "experts", "top_k", "lr", "log_interval"):
         if getattr(a, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive (got {getattr(a, flag)})")
     if a.top_k > a.experts:
@@ -143,7 +145,6 @@ def validate(parser, a):
               "bf16 will be much slower than fp32 here", file=sys.stderr)
     a.bf16 = a.precision == "bf16" or a.precision == "auto" and native
     a.workdir = a.workdir.resolve()
-    a.log_interval = 50
     a.gen_batch_size = 64
 
 
