@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import grad_buffers
+from . import grad_buffers, host
+
+
+def count(ids, n):
+    """How many of ids (a long tensor of values in [0, n)) are each value: [n] long. bincount's result without its
+    read of the device (on CUDA torch.bincount reads the largest id to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids.reshape(-1),
+                                                                           torch.ones_like(ids.reshape(-1)))
 
 
 def sort_assignments(experts, num_experts):
@@ -22,7 +29,7 @@ def sort_assignments(experts, num_experts):
     assignments, so inside one expert the assignments keep their priority order; token = order % T.
     """
     flat = experts.t().reshape(-1)  # [k*T] in assignment order
-    return torch.bincount(flat, minlength=num_experts), torch.argsort(flat, stable=True)
+    return count(flat, num_experts), torch.argsort(flat, stable=True)
 
 
 def router(logits, top_k, score="softmax", renormalize=False):
@@ -175,7 +182,7 @@ def _fc1_backward(x, saved, mask, da, sizes, w1, activation, dropout_p, need_x, 
 
 
 def _sizes(counts, rows):
-    sizes = counts.tolist()
+    sizes = host.sizes(counts)  # (the host's copy: read here only where routing did not read it, host.py)
     if sum(sizes) != rows:
         raise ValueError(f"counts sum to {sum(sizes)} but there are {rows} rows")
     return sizes

@@ -21,6 +21,9 @@ import triton.language as tl
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import host
+from .reference import count
+
 _ACT = {"relu": 0, "gelu": 1, "silu": 2}
 # tl.dot with an fp32 accumulator: fp64 compiles in the interpreter but not for a GPU.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -222,7 +225,7 @@ class _Plan:
     """Where the rows of each expert are: the block table of _rows_gemm, the ranges of _experts_gemm."""
 
     def __init__(self, counts, num_rows, device):
-        sizes = counts.tolist()  # host sync, as in the reference
+        sizes = host.sizes(counts)  # (the host's copy, as in the reference: read once per counts, host.py)
         if sum(sizes) != num_rows:
             raise ValueError(f"counts sum to {sum(sizes)} but there are {num_rows} rows")
         counts = counts.to(device=device, dtype=torch.int64)
@@ -241,7 +244,7 @@ class _Plan:
 
 def _token_slots(token_index, num_tokens):
     """slot[n] = token_index[n] * k_max + (rank of row n among its token's rows), and k_max."""
-    per_token = torch.bincount(token_index, minlength=num_tokens)  # [T]
+    per_token = count(token_index, num_tokens)  # [T] (bincount's, without its read of the device)
     k_max = int(per_token.max()) if token_index.numel() else 0
     order = torch.argsort(token_index, stable=True)  # [N]: rows grouped by token
     first = torch.cumsum(per_token, 0) - per_token  # [T]

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from .reference import count
+
 BLOCK_N = 32  # rows (or tokens) per program
 BLOCK_D = 64  # model-dim chunk; d = 72 already takes two chunks
 
@@ -94,7 +96,7 @@ def sum_rows(rows, token_index, weights, num_tokens):
         return out
     # CSR lists of each token's rows, ascending n. Tokens >= T (invalid) sort last and are never read.
     perm = torch.argsort(token_index, stable=True)  # [N]
-    per_token = torch.bincount(token_index, minlength=num_tokens)[:num_tokens]  # [T]
+    per_token = count(token_index.clamp(max=num_tokens), num_tokens + 1)[:num_tokens]  # [T] (no device read)
     start = torch.zeros(num_tokens + 1, dtype=torch.long, device=rows.device)
     torch.cumsum(per_token, 0, out=start[1:])
     grid = (triton.cdiv(num_tokens, BLOCK_N), triton.cdiv(D, BLOCK_D))

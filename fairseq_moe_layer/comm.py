@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fairseq_moe_kernels import host
+
 from .lockstep import Lockstep
 
 
@@ -124,17 +126,18 @@ def _flat(x, send, recv, group):
     return out
 
 
-def block_transpose_index(counts):
+def block_transpose_index(counts, total=None):
     """Row index that reorders blocks laid out (a, b) [a major] into (b, a) order.
 
-    counts: [A, B] long, the rows of block (a, b). Returns idx with out = rows[idx].
+    counts: [A, B] long, the rows of block (a, b); total: their sum where the caller knows it (else read from the
+    device here). Returns idx with out = rows[idx].
     """
     A, B = counts.shape
     flat = counts.reshape(-1)
     src_start = (torch.cumsum(flat, 0) - flat).view(A, B).t().reshape(-1)  # (b, a) order
     sizes = counts.t().reshape(-1)
     dst_start = torch.cumsum(sizes, 0) - sizes
-    total = int(sizes.sum())
+    total = int(sizes.sum()) if total is None else total
     offset = torch.repeat_interleave(src_start - dst_start, sizes, output_size=total)
     return offset + torch.arange(total, device=counts.device)
 
@@ -166,7 +169,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.ep, ctx.counts = ep, (send_counts, recv_counts)
         if ep.local_size > 1:
             return _hierarchical(x, send_counts, ep)[0]
-        return _flat(x, send_counts.tolist(), recv_counts.tolist(), ep.group)
+        return _flat(x, *host.read(send_counts, recv_counts), ep.group)  # (kept lists: no read, host.py)
 
     @staticmethod
     def backward(ctx, grad):
@@ -179,7 +182,9 @@ def all_to_all(x, send_counts, recv_counts, ep):
     """Differentiable all-to-all of rows, flat or hierarchical as ep says.
 
     x: [sum(send_counts), ...] rows ordered by destination rank; send_counts, recv_counts: [P] long
-    (recv_counts from exchange_counts). Returns [sum(recv_counts), ...] ordered by source rank.
+    (recv_counts from exchange_counts), their host lists kept on them (host.known) where the caller has them: the
+    flat exchange then reads nothing from the device, forward or backward. Returns [sum(recv_counts), ...] ordered by
+    source rank.
     """
     return _AllToAll.apply(x, send_counts, recv_counts, ep)
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fairseq_moe_kernels import backend
+from fairseq_moe_kernels import backend, host
 
 from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
 from .config import MoEConfig
@@ -181,11 +181,18 @@ class MoELayer(nn.Module):
         if self.ep.overlap_degree > 1:
             return pipelined_experts(rows, send, self.experts, self.ep, self.ep.overlap_degree, ops)
         recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
-        x = all_to_all(rows, send.sum(1), recv.sum(1), self.ep)  # (source, local expert) order
-        order = block_transpose_index(recv)  # -> (local expert, source) order
-        y = self.experts(x.index_select(0, order), recv.sum(0), ops)
+        # The layer's one read of the device (host.py): what goes where, both ways; routing's read of counts, where
+        # it made one (capacity), is reused, and then recv alone is read.
+        send_h, recv_h = host.read(counts, recv)
+        per_rank = lambda h: [sum(h[i * El:(i + 1) * El]) for i in range(P)]  # noqa: E731
+        send_ranks = host.known(send.sum(1), per_rank(send_h))
+        recv_ranks = host.known(recv.sum(1), per_rank(recv_h))
+        x = all_to_all(rows, send_ranks, recv_ranks, self.ep)  # (source, local expert) order
+        order = block_transpose_index(recv, total=sum(recv_h))  # -> (local expert, source) order
+        y = self.experts(x.index_select(0, order), host.known(recv.sum(0), [sum(recv_h[e::El]) for e in range(El)]),
+                         ops)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
-        return all_to_all(y, recv.sum(1), send.sum(1), self.ep)
+        return all_to_all(y, recv_ranks, send_ranks, self.ep)
 
     def _aux(self, logits, clean, r, T, k, cfg):
         # A zero loss that still belongs to the graph of every gate parameter (also for T = 0: the empty

@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from fairseq_moe_kernels import backend
+from fairseq_moe_kernels import backend, host
 from fairseq_moe_kernels.reference import sort_assignments
 
 from .gates import registrar
@@ -241,13 +241,15 @@ class TopK(Policy):
             ranked = top_experts if perm is None else top_experts[perm]
             if valid is not None:  # a thinned choice asks for expert E, sorted after every real one
                 ranked = torch.where(valid if perm is None else valid[perm], ranked, E)
-            demand, order = sort_assignments(ranked, E + 1)
-            demand, order = demand[:E], order[:int(demand[:E].sum())]
+            if valid is None:
+                demand, order = sort_assignments(ranked, E)
+            else:  # (the thinned choices, expert E, sorted after every real one: _within_capacity leaves them)
+                demand, order = sort_assignments(ranked, E + 1)
+                demand = demand[:E]
         # Assignment a = j * T + i is the j-th choice of the token of priority rank i (token perm[i]):
         # this flat order is the priority order, and order (sorted by expert, stable) keeps it inside
         # each expert.
-        flat_expert = (top_experts if perm is None else top_experts[perm]).t().reshape(-1)  # [k*T]
-        kept_order, counts = _within_capacity(order, flat_expert, demand, capacity)
+        kept_order, counts = _within_capacity(order, demand, capacity, thinned=valid is not None)
         kept = torch.zeros(top_k * T, dtype=torch.bool, device=logits.device).index_fill_(0, kept_order, True)
         kept_tk = kept.view(top_k, T).t()  # [T, k], rows in priority order
         if perm is not None:
@@ -278,13 +280,22 @@ class TopK(Policy):
 route = ROUTINGS[TopK.name]  # top-k routing as a function: route(logits, top_k, capacity, router, cfg, ...)
 
 
-def _within_capacity(order, flat_expert, demand, capacity):
-    """(the assignments kept, kept per expert): in each expert, the first `capacity` in priority order."""
-    if capacity is None:
+def _within_capacity(order, demand, capacity, thinned=False):
+    """(the assignments kept, kept per expert): in each expert, the first `capacity` in priority order. order: the
+    assignments sorted by expert (demand[e] of expert e, one block after another; thinned: more after the last block,
+    left out). Where the kept rows are fewer than order's, their number comes from the host's copy of the kept counts
+    (host.py: the layer's one read of the device, which the expert ops then reuse); dropless and unthinned, none."""
+    if capacity is None and not thinned:
         return order, demand
-    starts = torch.cumsum(demand, 0) - demand  # [E] first sorted row of each expert
-    rank = torch.arange(order.numel(), device=order.device) - starts[flat_expert[order]]
-    return order[rank < capacity], demand.clamp(max=capacity)
+    counts = demand if capacity is None else demand.clamp(max=capacity)
+    n = sum(host.sizes(counts))
+    if capacity is None:
+        return order[:n], counts
+    # Expert e keeps positions starts[e] .. starts[e] + counts[e] of order: kept row i of e sits at i + (where e's
+    # block starts in order - where its kept rows start), without a boolean index (a read of the device per call).
+    shift = (torch.cumsum(demand, 0) - demand) - (torch.cumsum(counts, 0) - counts)  # [E]
+    offset = torch.repeat_interleave(shift, counts, output_size=n)
+    return order[offset + torch.arange(n, device=order.device)], counts
 
 
 @register_routing("hash")
@@ -307,7 +318,7 @@ class Hash(Policy):
         E = cfg.num_experts
         experts = token_ids.reshape(-1, 1).long() % E  # [T, 1]
         demand, order = sort_assignments(experts, E)
-        kept_order, counts = _within_capacity(order, experts[:, 0], demand, capacity)
+        kept_order, counts = _within_capacity(order, demand, capacity)
         T = experts.shape[0]
         return Routing(token_index=kept_order, weights=torch.ones(kept_order.numel(), device=experts.device),
                        counts=counts, probs=torch.nn.functional.one_hot(experts[:, 0], E).float(),
@@ -335,7 +346,7 @@ class ExpertChoice(Policy):
         top_w, top_t = probs.t().topk(C, dim=1)  # [E, C]: each expert's tokens by score
         top_t, order = top_t.sort(dim=1)
         token_index = top_t.reshape(-1)  # [E * C]
-        counts = torch.full((E,), C, dtype=torch.long, device=logits.device)
+        counts = host.known(torch.full((E,), C, dtype=torch.long, device=logits.device), [C] * E)
         taken = torch.zeros(T, dtype=torch.bool, device=logits.device).index_fill_(0, token_index, True)
         return Routing(token_index=token_index, weights=top_w.gather(1, order).reshape(-1), counts=counts,
                        probs=probs, top_experts=None, demand=counts, capacity=C,
@@ -356,7 +367,7 @@ class Dense(Policy):
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         T, E = logits.shape
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-        counts = torch.full((E,), T, dtype=torch.long, device=logits.device)
+        counts = host.known(torch.full((E,), T, dtype=torch.long, device=logits.device), [T] * E)
         return Routing(token_index=torch.arange(T, device=logits.device).repeat(E), weights=probs.t().reshape(-1),
                        counts=counts, probs=probs, top_experts=None, demand=counts, capacity=None)
 
@@ -414,7 +425,7 @@ class Soft(Policy):
         slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*P, d]
         # [E*G*P, d] sorted by expert, cast before they travel (as the top-k policies' rows)
         rows = slots.view(G, E, P, d).transpose(0, 1).reshape(E * G * P, d).to(dtype)
-        counts = torch.full((E,), G * P, dtype=torch.long, device=x.device)  # [E]
+        counts = host.known(torch.full((E,), G * P, dtype=torch.long, device=x.device), [G * P] * E)  # [E]
         out = layer.experts(rows, counts, ops) if layer.ep is None else layer.remote(rows, counts, ops)
         out = out.view(E, G, P, d).transpose(0, 1).reshape(G, E * P, d)  # [G, E*P, d]
         y = torch.einsum("gns,gsd->gnd", combine.to(x.dtype), out)  # [G, n, d]

@@ -127,6 +127,25 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         assert len(calls) == overlap_degree  # one per chunk (the whole block when not overlapped)
 
 
+def _check_host_reads(rank, W):
+    """With the experts spread (flat all-to-all), a forward reads the device once when dropless (what goes where,
+    both ways, together), twice at capacity (routing's kept counts, then what the other ranks send); a backward never
+    (tests/host_reads.py counts; on a GPU each read is a sync)."""
+    from tests.host_reads import counted
+
+    for capacity_factor, reads in ((0.0, 1), (1.0, 2)):
+        cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=capacity_factor)
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, expert_parallel(4))
+        x = torch.randn(9 + rank, 6, requires_grad=True)
+        with counted() as found:
+            y, aux = layer(x)
+        assert sum(found.values()) == reads, (capacity_factor, found)
+        with counted() as found:
+            ((y * y).sum() + aux.balance_loss).backward()
+        assert not found, (capacity_factor, found)
+
+
 def _check_routing_bias(rank, W):
     """The aux-loss-free bias moves by the load of every rank's tokens: on W ranks (experts spread) it
     equals the bias the 1-rank layer gets from all the tokens, and every rank holds the same bias."""
@@ -198,6 +217,7 @@ CHECKS = {
         *_every_gate(),  # every registered gate
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
+        (_check_host_reads, ()),
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks

@@ -1,0 +1,47 @@
+"""The host's copy of a counts tensor, read once: where a GPU would stall on a read of device memory.
+
+The experts' row counts decide the shapes of what follows (each expert's GEMM on the torch backend, the splits of an
+all-to-all, the rows kept under a capacity), so some code needs them as Python ints; on CUDA each such read
+(.tolist(), .item(), int(t), a boolean index) waits for every kernel queued before it. sizes(counts) makes that read
+once per counts tensor and keeps the list on the tensor; whoever made the counts and already knows them (routing that
+read them once, a policy whose counts are a constant, the all-to-all that read its splits together) hands them over
+with known(counts, list), and every op after it reads the list, not the device. A counts tensor is never changed in
+place once made (a changed one would keep its old list): the layer and the ops make new ones.
+Where the MoE layer reads the device, and how often: docs/architecture.md ("Host reads").
+"""
+
+
+import torch
+
+
+def sizes(counts):
+    """counts (integer, any shape) -> its values as a flat [int] list, read from the device at most once per tensor."""
+    return read(counts)[0]
+
+
+def read(*counts):
+    """The flat [int] lists of each counts tensor; those whose list is not known yet in one read of the device
+    together (one wait for the GPU, where one per tensor would be several)."""
+    missing = [c for c in counts if _kept(c) is None]
+    if missing:
+        values = torch.cat([c.reshape(-1) for c in missing]).tolist() if len(missing) > 1 else \
+            missing[0].reshape(-1).tolist()
+        start = 0
+        for c in missing:
+            c._host_sizes, start = values[start:start + c.numel()], start + c.numel()
+    return tuple(c._host_sizes for c in counts)
+
+
+def known(counts, values):
+    """counts, with the host's copy values (flat [int] list equal to counts: the caller read or made them) kept on
+    it; -> counts."""
+    values = list(values)
+    if len(values) != counts.numel():
+        raise ValueError(f"{len(values)} host sizes for {counts.numel()} counts")
+    counts._host_sizes = values
+    return counts
+
+
+def _kept(counts):
+    got = getattr(counts, "_host_sizes", None)
+    return got if got is not None and len(got) == counts.numel() else None

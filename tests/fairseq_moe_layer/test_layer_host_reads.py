@@ -1,0 +1,44 @@
+"""The MoE layer reads the device from the host at most once per forward (issue 33): on a GPU each read waits for
+every kernel before it. Counted on the CPU with tests/host_reads.py (the same calls, which there cost nothing);
+forward and backward of one process, the torch backend. Expert parallelism: tests/fairseq_moe_layer/test_comm.py."""
+import pytest
+import torch
+
+from fairseq_moe_layer import MoEConfig, MoELayer
+
+from tests.host_reads import counted
+
+BASE = dict(model_dim=8, ffn_dim=16, num_experts=4, top_k=2, kernel_backend="torch")
+
+
+@pytest.mark.parametrize("name, settings, forward_reads", [
+    ("top-2 dropless", dict(capacity_factor=0.0), 1),  # (the expert GEMMs' row counts)
+    ("top-2 at capacity", dict(capacity_factor=1.0), 1),  # (the kept counts: routing reads them, the GEMMs reuse them)
+    ("top-1 at capacity", dict(top_k=1, capacity_factor=1.0), 1),
+    ("top-2, second expert by its weight (thinned)", dict(capacity_factor=0.0, second_expert_policy="random"), 1),
+    ("top-2 at capacity, batch-prioritized", dict(capacity_factor=1.0, batch_prioritized_routing=True), 1),
+    ("expert choice", dict(top_k=1, routing="expert_choice", capacity_factor=1.0), 0),  # (constant counts)
+    ("dense", dict(top_k=1, routing="dense"), 0),
+])
+def test_one_read_per_forward_none_in_backward(name, settings, forward_reads):
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(**{**BASE, **settings}))
+    x = torch.randn(3, 10, 8, requires_grad=True)
+    with counted() as found:
+        y, aux = layer(x)
+    assert sum(found.values()) == forward_reads, (name, found)
+    with counted() as found:
+        ((y * y).sum() + aux.balance_loss + aux.z_loss).backward()
+    assert not found, (name, found)
+
+
+def test_a_padding_mask_is_one_read_more():
+    """The padding's positions are left out before routing (their number sizes everything after): one read."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(**BASE, capacity_factor=1.0))
+    x = torch.randn(3, 10, 8)
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[0, 6:] = True
+    with counted() as found:
+        layer(x, padding_mask=mask)
+    assert sum(found.values()) == 2 and any("nonzero" in k for k in found), found
