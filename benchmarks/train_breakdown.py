@@ -13,7 +13,8 @@ forward and backward (the task's train_step), the backward alone, the optimizer'
 decoder layer and per MoE layer, forward and backward (stamps on each one's input and output gradients). Then
 each MoE layer again in the same process on random input of the same shape (its router balanced by chance: the
 cost of its routing as trained so far shows as the difference) and on its last training input and output gradient
-(the same shapes as that update: the same GEMM kernels), and the expert counts of its last training forward. With 40
+(nearly that update's routing, so mostly GEMM shapes it has met: the router moved by the update's step), and the
+expert counts of its last training forward. With 40
 updates or more, also the medians per 20 updates of train_step and of each MoE layer's forward and backward.
 """
 import argparse
@@ -201,6 +202,7 @@ def report(args, layers):
             print(f"  updates {lo + 1:4d}-{lo + WINDOW:<4d} " + "  ".join(cells))
     for i, layer in enumerate(layers):
         layer.train()  # (as in training: its activation dropout)
+        counts = layer.last_counts  # (the training forward's: the replays below record theirs too)
         shape, dtype = layer.last_input.shape, layer.last_input.dtype
         noise = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
         inputs = {f"random input of {tuple(shape)}": noise,
@@ -219,7 +221,7 @@ def report(args, layers):
                 backward.append(time.perf_counter() - middle)
             print(f"  MoE layer {i} on {what}: forward {median_ms(forward, 3):7.1f}  backward "
                   f"{median_ms(backward, 3):7.1f}")
-        print(f"  MoE layer {i}: tokens per expert in its last training forward, sorted: {sorted(layer.last_counts)}")
+        print(f"  MoE layer {i}: tokens per expert in its last training forward, sorted: {sorted(counts)}")
 
 
 if __name__ == "__main__":

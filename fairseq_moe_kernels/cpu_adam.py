@@ -22,8 +22,9 @@ shared cache never holds half a file). A folder or library that another user own
 Where none of that works (no compiler, no usable folder, a mismatch, a compile over 300 s) library() says why in
 one log line, and available() is False: callers keep torch's ops (hooks/masters.py), which compute the same up to
 float rounding (torch's add_ with alpha may fuse a multiply-add; the kernel rounds each operation as written).
-A compile that failed or timed out leaves a note beside the lock (cpu_adam-KEY.failed, its reason): the node's other
-ranks, and later runs, refuse at once instead of compiling again (delete the note to retry).
+A compile that failed or timed out leaves a note beside the lock (cpu_adam-KEY.failed, its reason): for NOTE_S
+seconds the node's other ranks refuse at once instead of each compiling again (a job's ranks start together); a
+later run tries again (a compiler fixed, a header installed, a machine less loaded).
 FAIRSEQ_MOE_CPU_ADAM=off in the environment keeps torch's ops without trying (to reproduce a run made without the
 kernel: the two differ in float rounding).
 """
@@ -40,6 +41,7 @@ import subprocess
 import stat
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -202,8 +204,9 @@ def _build_or_raise():
                 if fcntl is not None:  # (ranks of one node compile once; the others wait and load its file)
                     fcntl.flock(lock, fcntl.LOCK_EX)
                 failed = folder / f"cpu_adam-{key}.failed"
-                if not path.exists() and failed.exists():  # (another rank's, or an earlier run's, failed compile)
-                    return _refuse(f"{failed.read_text().strip()} (noted in {failed}: delete it to try again)")
+                if not path.exists() and failed.exists() and time.time() - failed.stat().st_mtime < NOTE_S:
+                    # (another rank's failed compile, moments ago: the job's ranks start together)
+                    return _refuse(f"{failed.read_text().strip()} (noted in {failed} less than {NOTE_S} s ago)")
                 if not path.exists():
                     why = _compile(cc, folder, path)
                     if why:
@@ -231,6 +234,9 @@ def _build_or_raise():
     return _refuse("no cache folder to build in: " + "; ".join(errors))
 
 
+NOTE_S = 600  # how long a failed compile's note stands (above)
+
+
 def _compile(cc, folder, path):
     """Compiles SOURCE into path (through a temporary name); -> '' or why not."""
     fd, tmp = tempfile.mkstemp(prefix=".cpu_adam-", suffix=".so", dir=folder)
@@ -239,8 +245,9 @@ def _compile(cc, folder, path):
         done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            message = next((ln for ln in lines if "error" in ln), lines[0] if lines else "(no message)")
+            lines = done.stderr.strip().splitlines()  # (the first error, not the linker driver's summary of it)
+            message = next((ln for ln in lines if "error" in ln and not ln.startswith("collect2")),
+                           lines[0] if lines else "(no message)")
             return f"{' '.join(cc)} could not compile {SOURCE}: {message.strip()}"
         os.chmod(tmp, 0o755)  # (whatever the linker and umask left: _not_ours refuses a file others may write)
         os.replace(tmp, path)

@@ -18,7 +18,7 @@ STEPS = ("kernel-tests", "translate-fp32", "translate-bf16", "selftest", "kernel
 def test_rehearsal_runs_every_step_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu_check.sh"), "--device", "cpu", str(out),
-                           "--selftest-only", "spread", "--work", str(tmp_path / "work")],
+                           "--work", str(tmp_path / "work")],
                           env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=1500)
     summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
@@ -32,7 +32,8 @@ def test_rehearsal_runs_every_step_on_the_cpu(tmp_path):
     assert set(verdicts.values()) == {"PASS"}, summary
     translate = next(ln for ln in lines if ln.split()[1] == "translate-bf16")
     assert "tokens/s MoE" in translate and "BLEU MoE" in translate and "loss MoE" in translate, translate
-    assert "spread PASS" in next(ln for ln in lines if ln.split()[1] == "selftest")
+    selftest = next(ln for ln in lines if ln.split()[1] == "selftest")
+    assert "fp16 PASS" in selftest and "bf16 PASS" in selftest, selftest
     assert lines[-1].startswith("PASS: the device check")
     # What comes back from the device: at most 8 files, none in subfolders.
     files = sorted(p.name for p in out.iterdir())
@@ -41,6 +42,7 @@ def test_rehearsal_runs_every_step_on_the_cpu(tmp_path):
 
 
 def test_a_step_past_its_limit_is_a_fail_line_and_exit_1(tmp_path, monkeypatch):
+    """The run past its limit is ended (its process group: SIGTERM, then SIGKILL) and is that step's FAIL line."""
     monkeypatch.setitem(device_check.LIMITS, "layer", 0.01)  # (3x on a CPU: still far less than a start-up)
     status = device_check.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"),
                                 "--skip", "kernel-tests", "translate", "selftest", "kernels"])
@@ -68,3 +70,11 @@ def test_bad_input_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks/device_check.py"), "--device", "cpu", "--out",
                            str(tmp_path), "--budget-s", "0"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--budget-s must be positive" in proc.stderr
+
+
+def test_a_spent_budget_skips_the_steps_left(tmp_path):
+    status = device_check.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"),
+                                "--budget-s", "1e-9"])
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert status == 1 and all(ln.startswith("SKIP") and "no time left" in ln for ln in lines[1:-1]), lines
+    assert len(lines) == 8 and lines[-1].startswith("INCOMPLETE: the device check")

@@ -176,8 +176,8 @@ def test_off_in_the_environment_keeps_torchs_ops(monkeypatch):
 
 
 def test_a_failed_compile_is_noted_and_not_tried_again(monkeypatch, tmp_path):
-    """A compiler that fails (or times out) leaves a note under the lock: the node's other ranks and later runs
-    refuse at once, naming the error and the note, instead of each compiling again."""
+    """A compiler that fails (or times out) leaves a note under the lock: for a while the node's other ranks refuse
+    at once, naming the error and the note, instead of each compiling again; later, it is tried again."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     fake = tmp_path / "fakecc"
     fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fakecc 1; exit 0; }\n"
@@ -193,3 +193,7 @@ def test_a_failed_compile_is_noted_and_not_tried_again(monkeypatch, tmp_path):
     assert lib is None and "error: broken here" in why and str(note) in why, why
     assert not (tmp_path / "compiled-again").exists()
     assert not list((tmp_path / "fairseq_moe").glob("*.so")), "no library, no temporary left"
+    # An old note (a later run: the compiler may have been fixed since) is not taken: it compiles again.
+    os.utime(note, (note.stat().st_atime, note.stat().st_mtime - cpu_adam.NOTE_S - 1))
+    lib, why = cpu_adam._build.__wrapped__()
+    assert lib is None and (tmp_path / "compiled-again").exists() and "(no message)" in why, why
