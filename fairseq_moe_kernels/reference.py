@@ -17,8 +17,8 @@ from . import grad_buffers, host
 def count(ids, n):
     """How many of ids (a long tensor of values in [0, n)) are each value: [n] long. bincount's result without its
     read of the device (on CUDA torch.bincount reads the largest id to size its output)."""
-    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids.reshape(-1),
-                                                                           torch.ones_like(ids.reshape(-1)))
+    ids = ids.reshape(-1).long()  # (scatter_add_ takes long indices and values; bincount took int32 too)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def sort_assignments(experts, num_experts):

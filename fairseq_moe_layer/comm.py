@@ -152,14 +152,18 @@ def _hierarchical(x, send_counts, ep):
     """
     L, N = ep.local_size, ep.size // ep.local_size
     c = send_counts.view(N, L)  # my rows for (n'', m') [dest node major]
-    # Step 1: reorder my chunks from (n'', m') to (m', n'') so that each local peer's part is contiguous.
-    x1 = x.index_select(0, block_transpose_index(c))
+    # Both steps' counts first (every rank issues the same collectives in the same order), then one read of them all.
     r1 = exchange_counts(c.t().contiguous(), ep.local_group)  # [L src local, N dest node]
-    y1 = _flat(x1, c.sum(0).tolist(), r1.sum(1).tolist(), ep.local_group)  # (src local l, dest node n'')
-    # Step 2: regroup by destination node, then send each node its rows.
-    x2 = y1.index_select(0, block_transpose_index(r1))  # (dest node n'', src local l)
     r2 = exchange_counts(r1.t().contiguous(), ep.node_group)  # [N src node, L src local]
-    y2 = _flat(x2, r1.sum(0).tolist(), r2.sum(1).tolist(), ep.node_group)
+    ch, r1h, r2h = host.read(c, r1, r2)  # (flat, row-major)
+    # Step 1: reorder my chunks from (n'', m') to (m', n'') so that each local peer's part is contiguous.
+    x1 = x.index_select(0, block_transpose_index(c, total=sum(ch)))
+    y1 = _flat(x1, [sum(ch[m::L]) for m in range(L)], [sum(r1h[l * N:(l + 1) * N]) for l in range(L)],
+               ep.local_group)  # (src local l, dest node n'')
+    # Step 2: regroup by destination node, then send each node its rows.
+    x2 = y1.index_select(0, block_transpose_index(r1, total=sum(r1h)))  # (dest node n'', src local l)
+    y2 = _flat(x2, [sum(r1h[n::N]) for n in range(N)], [sum(r2h[n * L:(n + 1) * L]) for n in range(N)],
+               ep.node_group)
     return y2, r2.reshape(-1)  # rows ordered by source rank n * L + l, exactly as the flat op
 
 
@@ -183,8 +187,8 @@ def all_to_all(x, send_counts, recv_counts, ep):
 
     x: [sum(send_counts), ...] rows ordered by destination rank; send_counts, recv_counts: [P] long
     (recv_counts from exchange_counts), their host lists kept on them (host.known) where the caller has them: the
-    flat exchange then reads nothing from the device, forward or backward. Returns [sum(recv_counts), ...] ordered by
-    source rank.
+    flat exchange then reads nothing from the device, forward or backward; it keeps the lists it reads on them too, so
+    a caller must not change them in place afterwards. Returns [sum(recv_counts), ...] ordered by source rank.
     """
     return _AllToAll.apply(x, send_counts, recv_counts, ep)
 

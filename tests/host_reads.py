@@ -2,7 +2,8 @@
 before it (a sync), on a CPU the same calls are what would wait. Counted: .tolist() (patched: it is not dispatched),
 and the ATen ops that hand a value to the host or size their output by the data (.item(), int(t) and bool(t) as
 _local_scalar_dense; nonzero; a boolean index; masked_select; bincount, which reads its largest id; repeat_interleave
-without output_size; unique)."""
+without output_size; unique). Not counted: a boolean index_put_, torch.equal, .cpu(), and what only CUDA reads (a
+GPU's torch.cuda.set_sync_debug_mode sees those)."""
 import collections
 import contextlib
 import traceback
@@ -41,7 +42,7 @@ class _Reads(TorchDispatchMode):
 def counted():
     """with counted() as found: ...  -> found: Counter {"what at file:line": times}."""
     found = collections.Counter()
-    tolist = torch.Tensor.tolist
+    tolist, own = torch.Tensor.tolist, "tolist" in torch.Tensor.__dict__
 
     def counting_tolist(self):
         found[f"tolist at {_where()}"] += 1
@@ -52,4 +53,7 @@ def counted():
         with _Reads(found):
             yield found
     finally:
-        torch.Tensor.tolist = tolist
+        if own:
+            torch.Tensor.tolist = tolist
+        else:  # (inherited from torch's C base class: leave no copy behind)
+            del torch.Tensor.tolist

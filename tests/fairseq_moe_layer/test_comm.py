@@ -127,23 +127,24 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         assert len(calls) == overlap_degree  # one per chunk (the whole block when not overlapped)
 
 
-def _check_host_reads(rank, W):
-    """With the experts spread (flat all-to-all), a forward reads the device once when dropless (what goes where,
-    both ways, together), twice at capacity (routing's kept counts, then what the other ranks send); a backward never
-    (tests/host_reads.py counts; on a GPU each read is a sync)."""
+def _check_host_reads(rank, W, local_size=None, expected=((0.0, 1, 0), (1.0, 2, 0))):
+    """With the experts spread, the reads of the device (tests/host_reads.py counts; on a GPU each read is a sync) in
+    a forward and a backward, (capacity factor, forward, backward) as expected: the flat all-to-all reads once when
+    dropless (what goes where, both ways, together), twice at capacity (routing's kept counts, then what the other ranks
+    send), never in a backward; the 2-D one once more in each of its calls (both steps' counts read together)."""
     from tests.host_reads import counted
 
-    for capacity_factor, reads in ((0.0, 1), (1.0, 2)):
+    for capacity_factor, forward, backward in expected:
         cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=capacity_factor)
         torch.manual_seed(0)
-        layer = MoELayer(cfg, expert_parallel(4))
+        layer = MoELayer(cfg, expert_parallel(4, local_size=local_size))
         x = torch.randn(9 + rank, 6, requires_grad=True)
         with counted() as found:
             y, aux = layer(x)
-        assert sum(found.values()) == reads, (capacity_factor, found)
+        assert sum(found.values()) == forward, (capacity_factor, found)
         with counted() as found:
             ((y * y).sum() + aux.balance_loss).backward()
-        assert not found, (capacity_factor, found)
+        assert sum(found.values()) == backward, (capacity_factor, found)
 
 
 def _check_routing_bias(rank, W):
@@ -227,6 +228,7 @@ CHECKS = {
         (_check_layer, (2, 1, 0.0, None, 1, "torch", "topk", "sqrt_world_size")),  # ... divided by 2 * sqrt(2)
         (_check_layer, (4, 4, 0.0, None)),  # k = 4
         (_check_layer, (8, 2, 1.0, None, 2)),  # overlap, capacity dropping, a rank with no tokens
+        (_check_host_reads, (2, ((0.0, 3, 2), (1.0, 4, 2)))),  # the 2-D all-to-all: one read a call
     ],
 }
 

@@ -17,6 +17,9 @@ BASE = dict(model_dim=8, ffn_dim=16, num_experts=4, top_k=2, kernel_backend="tor
     ("top-1 at capacity", dict(top_k=1, capacity_factor=1.0), 1),
     ("top-2, second expert by its weight (thinned)", dict(capacity_factor=0.0, second_expert_policy="random"), 1),
     ("top-2 at capacity, batch-prioritized", dict(capacity_factor=1.0, batch_prioritized_routing=True), 1),
+    ("top-2 at capacity, thinned", dict(capacity_factor=1.0, second_expert_policy="random"), 1),
+    ("top-2 at capacity, random token priority", dict(capacity_factor=1.0, random_token_selection=True), 1),
+    ("top-2 dropless, a shared expert", dict(capacity_factor=0.0, shared_experts=1), 1),
     ("expert choice", dict(top_k=1, routing="expert_choice", capacity_factor=1.0), 0),  # (constant counts)
     ("dense", dict(top_k=1, routing="dense"), 0),
 ])
@@ -42,3 +45,14 @@ def test_a_padding_mask_is_one_read_more():
     with counted() as found:
         layer(x, padding_mask=mask)
     assert sum(found.values()) == 2 and any("nonzero" in k for k in found), found
+
+
+def test_hash_routing_reads_once_but_for_one_hots_check_on_the_cpu():
+    """Hash routing at capacity: the kept counts (1); torch's one_hot checks its ids' range on the CPU only (2 more
+    there, none on CUDA)."""
+    layer = MoELayer(MoEConfig(**{**BASE, "top_k": 1, "routing": "hash", "capacity_factor": 1.0}))
+    x = torch.randn(3, 10, 8)
+    with counted() as found:
+        layer(x, token_ids=torch.randint(0, 50, (3, 10)))
+    outside_one_hot = {k: n for k, n in found.items() if "routing.py" not in k or n != 2}
+    assert sum(found.values()) == 3 and len(outside_one_hot) == 1 and "host.py" in next(iter(outside_one_hot)), found
