@@ -280,7 +280,7 @@ class TopK(Policy):
 route = ROUTINGS[TopK.name]  # top-k routing as a function: route(logits, top_k, capacity, router, cfg, ...)
 
 
-def _within_capacity(order, demand, capacity, thinned=False):
+def _within_capacity(order, demand, capacity, *, thinned=False):
     """(the assignments kept, kept per expert): in each expert, the first `capacity` in priority order. order: the
     assignments sorted by expert (demand[e] of expert e, one block after another; thinned: more after the last block,
     left out). Where the kept rows are fewer than order's, their number comes from the host's copy of the kept counts

@@ -62,8 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="train and decode on CPU or on a CUDA GPU")
     p.add_argument("--fp16", action="store_true", help="mixed precision (only with --device cuda)")
-    # fp32 by default: on 2026-12-04's AVX-512 BF16 CPU the bf16 quickstart took 36.5 min against fp32's 32.1, and its
-    # dense model's BLEU moved by 0.61 (10.29 against 9.68; issue 32 keeps bf16 only within 0.3).
+    # fp32 by default: bf16's dense model moved its BLEU by more than issue 32's 0.3 (2026-12-05: 10.41 against fp32's
+    # 9.74, though bf16 was faster: 11 min 56 s against 14 min 33 s; examples/translation/README.md, "fp32 and bf16").
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
                    help="both models' training and decoding: bf16 (the plugin's --bf16: bf16 weights and "
                         "activations, fp32 master weights and optimizer state, the router fp32), fp32, or auto: "

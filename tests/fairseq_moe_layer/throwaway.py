@@ -26,7 +26,7 @@ class BestExpert(Policy):
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         best = probs.argmax(-1, keepdim=True)  # [T, 1]
         demand, order = sort_assignments(best, E)
-        kept, counts = _within_capacity(order, best[:, 0], demand, capacity)
+        kept, counts = _within_capacity(order, demand, capacity)
         return Routing(token_index=kept, weights=probs.gather(1, best)[:, 0][kept], counts=counts, probs=probs,
                        top_experts=None, demand=demand, capacity=capacity,
                        dropped=1.0 - kept.numel() / T if T else 0.0)
