@@ -112,22 +112,19 @@ class Check:
         with open(self.summary, "a") as f:
             f.write(text + "\n")
 
-    def run(self, cmd, log, limit, env=None):
+    def run(self, cmd, log, limit):
         """cmd with its output appended to log as it comes (a kill from outside keeps what it printed); -> (exit
-        status, or None when it ran past its limit, or "no time" when --budget-s had none left; the seconds; the
-        output)."""
-        left = self.deadline - time.monotonic()
-        limit = min(limit * (3 if self.args.device == "cpu" else 1), left)
+        status, None when it ran past its limit or what --budget-s had left; the output)."""
+        limit = min(limit * (3 if self.args.device == "cpu" else 1), self.deadline - time.monotonic())
         if limit <= 0:
-            return "no time", 0.0, ""
-        start = time.monotonic()
+            return None, ""
         path = self.out / log
         with open(path, "a") as f:
             f.write(f"\n$ {' '.join(map(str, cmd))}\n")
             begin = f.tell()
             f.flush()
             proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, **(env or {})}, start_new_session=True)
+                                    start_new_session=True)
             try:
                 status = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
@@ -135,7 +132,7 @@ class Check:
                 _end(proc)
         with open(path) as f:
             f.seek(begin)
-            return status, time.monotonic() - start, f.read()
+            return status, f.read()
 
     def step(self, name, fn):
         if name.split("-")[0] in self.args.skip or name in self.args.skip:
@@ -169,8 +166,9 @@ def _end(proc):
             continue
 
 
-def timed_out(status):
-    return "no time left in --budget-s" if status == "no time" else "timed out"
+def failure(status):
+    """What a run that did not exit 0 did: timed out (None) or its exit status."""
+    return "timed out" if status is None else f"exit {status}"
 
 
 def last_line(output, pattern):
@@ -179,12 +177,12 @@ def last_line(output, pattern):
 
 
 def kernel_tests(c):
-    status, _, out = c.run([sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/fairseq_moe_kernels",
+    status, out = c.run([sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/fairseq_moe_kernels",
                             "-p", "no:cacheprovider"], "kernel_tests.log", LIMITS["kernel-tests"])
     counts = last_line(out, r"\d+ (passed|failed|skipped|error)")
-    if status is None or status == "no time":  # (-v: each test's line as it ends, so a kill keeps what ran)
+    if status is None:  # (-v: each test's line as it ends, so a kill keeps what ran)
         done = {v: len(re.findall(rf" {v}\b", out)) for v in ("PASSED", "FAILED", "ERROR")}
-        return "FAIL", f"{timed_out(status)} after {done['PASSED']} passed, {done['FAILED']} failed, {done['ERROR']} errors"
+        return "FAIL", f"timed out after {done['PASSED']} passed, {done['FAILED']} failed, {done['ERROR']} errors"
     if status == 0 and " passed" not in counts:  # (every one skipped: no CUDA here)
         return "SKIP", counts
     return ("PASS" if status == 0 else "FAIL"), counts or f"pytest exit {status}"
@@ -198,9 +196,9 @@ def translate(c, precision, corpus):
     cmd = [sys.executable, "examples/translation/run.py", "--device", c.args.device, *flags, "--sequential",
            "--src-file", corpus[0], "--tgt-file", corpus[1], "--src-lang", "xx", "--tgt-lang", "yy",
            "--workdir", work, *sizes]
-    status, _, out = c.run(cmd, "translate.log", LIMITS["translate"])
+    status, out = c.run(cmd, "translate.log", LIMITS["translate"])
     if status != 0:
-        return "FAIL", (timed_out(status) if status in (None, "no time") else f"exit {status}") + ": " + (
+        return "FAIL", failure(status) + ": " + (
             last_line(out, r"error|Error") or "see translate.log")
     run_dir = next((work / "runs").iterdir())
     results = json.loads((run_dir / "results.json").read_text())["results"]
@@ -226,18 +224,18 @@ def selftest(c):
     cmd = [sys.executable, "-m", "fairseq_moe.selftest", "--nproc", "1", "--device", c.args.device,
            "--backend", "nccl" if gpu else "gloo", "--timeout", str(limit // 2),
            "--only", *features]  # (its own --timeout per run, so that a hung run is its FAIL line, not this step's)
-    status, _, out = c.run(cmd, "selftest.log", LIMITS["selftest"])
+    status, out = c.run(cmd, "selftest.log", LIMITS["selftest"])
     verdicts = re.findall(r"^(PASS|FAIL|SKIP)\s+(\S+)", out, re.M)
     text = ", ".join(f"{name} {v}" for v, name in verdicts) or "no feature line"
-    if status is None or status == "no time":
-        return "FAIL", f"{timed_out(status)} after: {text}"
+    if status is None:
+        return "FAIL", f"timed out after: {text}"
     return ("PASS" if status == 0 and verdicts else "FAIL"), f"{cmd[cmd.index('--backend') + 1]} --nproc 1: {text}"
 
 
 def kernels(c):
     cpu = c.args.device == "cpu"
     size = ["--smoke"] if cpu else ["--quick", "--budget-s", str(LIMITS["kernels"] - 30)]  # (the checks before it)
-    status, _, out = c.run([sys.executable, "benchmarks/bench_kernels.py", *size, "--out", c.out / "kernels.json"],
+    status, out = c.run([sys.executable, "benchmarks/bench_kernels.py", *size, "--out", c.out / "kernels.json"],
                            "kernels.log", LIMITS["kernels"])
     correct = re.findall(r"^correctness: (\d+)/(\d+) pass", out, re.M)
     targets = last_line(out, r"\d+/\d+ PASS")  # (the speed targets: figures to record, not the verdict)
@@ -246,17 +244,17 @@ def kernels(c):
     if status is None and passed:  # (--budget-s is checked before each config: one may run past the limit)
         return "PASS", text + " (timings cut at the step's limit)"
     if status != 0:
-        return "FAIL", (timed_out(status) if status in (None, "no time") else f"exit {status}") + f": {text}"
+        return "FAIL", f"{failure(status)}: {text}"
     return ("PASS" if passed else "FAIL"), text
 
 
 def layer(c):
     cmd = [sys.executable, "benchmarks/bench_train.py", "--out", c.out / "layer.json",
            *(["--smoke"] if c.args.device == "cpu" else [])]
-    status, _, out = c.run(cmd, "layer.log", LIMITS["layer"])
+    status, out = c.run(cmd, "layer.log", LIMITS["layer"])
     text = last_line(out, r"MoE / dense")
     if status != 0:
-        return "FAIL", (timed_out(status) if status in (None, "no time") else f"exit {status}") + f": {text}"
+        return "FAIL", f"{failure(status)}: {text}"
     return "PASS", text
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ (git-ignored) the wheels (the versions the tests run with here) that the lent GPU machines' Python lacks for the device check
-# (benchmarks/gpu_check.sh installs them there): fairseq (ve-fairseq 0.12.3, a cp312 build) and what it needs that
-# their image does not have (hydra-core, omegaconf, antlr4's runtime, bitarray). Run it from the repository root on a
+# Downloads into .whl/ (git-ignored) the wheels that the lent GPU machines' Python lacks for the device check
+# (benchmarks/gpu_check.sh installs them there), at the versions the tests run with here: fairseq (ve-fairseq 0.12.3,
+# a cp312 build) and what it needs that their image does not have (hydra-core, omegaconf, antlr4's runtime, bitarray). Run it from the repository root on a
 # machine whose pip reaches the package registry; DEVICE_PYTHON_VERSION (default 3.12) is the device's Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."

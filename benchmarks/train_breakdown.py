@@ -14,8 +14,8 @@ decoder layer and per MoE layer, forward and backward (stamps on each one's inpu
 each MoE layer again in the same process on random input of the same shape (its router balanced by chance: the
 cost of its routing as trained so far shows as the difference) and on its last training input and output gradient
 (nearly that update's routing, so mostly GEMM shapes it has met: the router moved by the update's step), and the
-expert counts of its last training forward. With 40
-updates or more, also the medians per 20 updates of train_step and of each MoE layer's forward and backward.
+expert counts of its last training forward. With 40 updates or more, also the medians per 20 updates of train_step
+and of each MoE layer's forward and backward.
 """
 import argparse
 import os

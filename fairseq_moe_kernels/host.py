@@ -9,8 +9,6 @@ with known(counts, list), and every op after it reads the list, not the device. 
 place once made (a changed one would keep its old list): the layer and the ops make new ones.
 Where the MoE layer reads the device, and how often: docs/architecture.md ("Host reads").
 """
-
-
 import torch
 
 
@@ -40,6 +38,11 @@ def known(counts, values):
         raise ValueError(f"{len(values)} host sizes for {counts.numel()} counts")
     counts._host_sizes = values
     return counts
+
+
+def full(n, value, device):
+    """[n] long counts all equal to value (a policy's constant counts), their list known: never read."""
+    return known(torch.full((n,), value, dtype=torch.long, device=device), [value] * n)
 
 
 def _kept(counts):

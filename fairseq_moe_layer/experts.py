@@ -116,7 +116,7 @@ class Experts(nn.Module):
     def all_tokens(self, x, ops=reference):
         """sum over these experts of expert(x): x [T, d] -> [T, d] (shared, always-on experts)."""
         E, T = self.num_experts, x.shape[0]
-        counts = host.known(torch.full((E,), T, dtype=torch.long, device=x.device), [T] * E)  # (no device read)
+        counts = host.full(E, T, x.device)  # (known on the host: no device read)
         return self(x.repeat(E, 1), counts, ops).view(E, T, x.shape[1]).sum(0)
 
     def combine(self, x, token_index, weights, counts, ops=reference):

@@ -346,7 +346,7 @@ class ExpertChoice(Policy):
         top_w, top_t = probs.t().topk(C, dim=1)  # [E, C]: each expert's tokens by score
         top_t, order = top_t.sort(dim=1)
         token_index = top_t.reshape(-1)  # [E * C]
-        counts = host.known(torch.full((E,), C, dtype=torch.long, device=logits.device), [C] * E)
+        counts = host.full(E, C, logits.device)
         taken = torch.zeros(T, dtype=torch.bool, device=logits.device).index_fill_(0, token_index, True)
         return Routing(token_index=token_index, weights=top_w.gather(1, order).reshape(-1), counts=counts,
                        probs=probs, top_experts=None, demand=counts, capacity=C,
@@ -367,7 +367,7 @@ class Dense(Policy):
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         T, E = logits.shape
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-        counts = host.known(torch.full((E,), T, dtype=torch.long, device=logits.device), [T] * E)
+        counts = host.full(E, T, logits.device)
         return Routing(token_index=torch.arange(T, device=logits.device).repeat(E), weights=probs.t().reshape(-1),
                        counts=counts, probs=probs, top_experts=None, demand=counts, capacity=None)
 
@@ -425,7 +425,7 @@ class Soft(Policy):
         slots = torch.einsum("gns,gnd->gsd", dispatch.to(x.dtype), x)  # [G, E*P, d]
         # [E*G*P, d] sorted by expert, cast before they travel (as the top-k policies' rows)
         rows = slots.view(G, E, P, d).transpose(0, 1).reshape(E * G * P, d).to(dtype)
-        counts = host.known(torch.full((E,), G * P, dtype=torch.long, device=x.device), [G * P] * E)  # [E]
+        counts = host.full(E, G * P, x.device)  # [E]
         out = layer.experts(rows, counts, ops) if layer.ep is None else layer.remote(rows, counts, ops)
         out = out.view(E, G, P, d).transpose(0, 1).reshape(G, E * P, d)  # [G, E*P, d]
         y = torch.einsum("gns,gsd->gnd", combine.to(x.dtype), out)  # [G, n, d]

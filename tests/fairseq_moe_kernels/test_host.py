@@ -33,3 +33,11 @@ def test_known_must_fit_its_tensor():
     with counted() as found:
         assert host.sizes(view) == [0, 0, 0, 0]
     assert sum(found.values()) == 1
+
+
+def test_full_is_known_without_a_read():
+    with counted() as found:
+        counts = host.full(3, 7, "cpu")
+        assert host.sizes(counts) == [7, 7, 7]
+    assert torch.equal(counts, torch.tensor([7, 7, 7])) and counts.dtype == torch.long
+    assert not found
