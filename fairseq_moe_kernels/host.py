@@ -7,9 +7,17 @@ once per counts tensor and keeps the list on the tensor; whoever made the counts
 read them once, a policy whose counts are a constant, the all-to-all that read its splits together) hands them over
 with known(counts, list), and every op after it reads the list, not the device. A counts tensor is never changed in
 place once made (a changed one would keep its old list): the layer and the ops make new ones.
+A layer with its experts on other ranks must also read what those ranks send it, which it learns by exchanging the
+counts (a collective): ahead(fn) lets it make that exchange before routing's read of the kept counts (routed()), so
+that both are read in one read.
 Where the MoE layer reads the device, and how often: docs/architecture.md ("Host reads").
 """
+import contextlib
+import threading
+
 import torch
+
+_ahead = threading.local()  # .pending: (fn, done) of the innermost ahead(), or None
 
 
 def sizes(counts):
@@ -28,6 +36,32 @@ def read(*counts):
         for c in missing:
             c._host_sizes, start = values[start:start + c.numel()], start + c.numel()
     return tuple(c._host_sizes for c in counts)
+
+
+def routed(counts):
+    """sizes(counts) for a routing policy's kept counts (the rows each expert gets), the one read a routing makes:
+    inside ahead(fn), fn(counts) runs first and what it returns is read in the same read."""
+    pending = getattr(_ahead, "pending", None)
+    if pending is None or pending[1] or _kept(counts) is not None:
+        return sizes(counts)
+    fn, done = pending
+    extra = fn(counts)
+    read(counts, *extra)
+    done.append(counts)
+    return counts._host_sizes
+
+
+@contextlib.contextmanager
+def ahead(fn):
+    """with ahead(fn) as done: the first routed(counts) inside runs fn(counts) (device ops, such as exchanging the
+    counts with the other ranks: -> the tensors to read) and reads its tensors with counts, in one read; done then
+    holds counts. Where no routed() comes (a policy that need not read), done stays empty: the caller runs fn itself."""
+    done, outer = [], getattr(_ahead, "pending", None)
+    _ahead.pending = (fn, done)
+    try:
+        yield done
+    finally:
+        _ahead.pending = outer
 
 
 def known(counts, values):

@@ -273,12 +273,14 @@ class _MoEMLP(torch.autograd.Function):
         return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None
 
 
-def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
+def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0, rows_per_token=None):
     """The experts of an MoE layer on its own tokens: sum_n weights[n] * expert(x[token_index[n]]).
 
     x: [T, d]; token_index: [N] long, rows sorted by expert (expert e owns counts[e] consecutive
     rows); weights: [N] routing weights; w1: [E, d, f], b1: [E, f], w2: [E, f, d], b2: [E, d]
     -> [T, d] (zeros for tokens with no row). Equals unpermute(grouped_mlp(permute(x, ...)), ...).
+    rows_per_token: the most rows any token has, where the caller knows a bound without reading the device (top-k:
+    k); the Triton kernel sizes its per-token slots by it (else it reads the largest), this one needs none.
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"

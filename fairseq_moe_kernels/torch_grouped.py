@@ -75,8 +75,8 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     return y[:, :d] if dp != d else y
 
 
-def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
-    """sum_n weights[n] * expert(x[token_index[n]]) (see reference.moe_mlp)."""
+def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0, rows_per_token=None):
+    """sum_n weights[n] * expert(x[token_index[n]]) (see reference.moe_mlp; rows_per_token: none needed here)."""
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
     rows = grouped_mlp(permute(x, token_index), counts, w1, b1, w2, b2, activation, dropout_p)

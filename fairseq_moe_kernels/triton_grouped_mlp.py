@@ -242,10 +242,18 @@ class _Plan:
         self.rows = num_rows
 
 
-def _token_slots(token_index, num_tokens):
-    """slot[n] = token_index[n] * k_max + (rank of row n among its token's rows), and k_max."""
+def _token_slots(token_index, num_tokens, bound=None):
+    """slot[n] = token_index[n] * k_max + (rank of row n among its token's rows), and k_max: bound (the caller's,
+    known on the host: no read) or the largest count of rows of a token (read from the device)."""
     per_token = count(token_index, num_tokens)  # [T] (bincount's, without its read of the device)
-    k_max = int(per_token.max()) if token_index.numel() else 0
+    if bound is not None and bound < 1:
+        raise ValueError(f"rows_per_token must be >= 1, got {bound}")
+    if bound is None:
+        k_max = int(per_token.max()) if token_index.numel() else 0
+    else:
+        k_max = bound
+        if token_index.numel():  # (on the device, without a wait: a token with more rows would overrun its slots)
+            torch._assert_async(per_token.max() <= bound, f"a token has more than rows_per_token {bound} rows")
     order = torch.argsort(token_index, stable=True)  # [N]: rows grouped by token
     first = torch.cumsum(per_token, 0) - per_token  # [T]
     rank = torch.empty_like(token_index)
@@ -356,10 +364,10 @@ class _GroupedMLP(torch.autograd.Function):
 
 class _MoEMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, token_index, weights, counts, w1, b1, w2, b2, activation, dropout_p):
+    def forward(ctx, x, token_index, weights, counts, w1, b1, w2, b2, activation, dropout_p, rows_per_token):
         T = x.shape[0]
         plan = _Plan(counts, token_index.shape[0], x.device)
-        slot, k_max = _token_slots(token_index, T)
+        slot, k_max = _token_slots(token_index, T, rows_per_token)
         buf = _slot_buffer(x, T, k_max)  # [T * k_max, d]
         saved, mask = _forward(plan, x, token_index, weights, buf, slot, w1, b1, w2, b2, activation, dropout_p)
         ctx.plan, ctx.k_max, ctx.activation, ctx.dropout_p = plan, k_max, activation, dropout_p
@@ -378,7 +386,7 @@ class _MoEMLP(torch.autograd.Function):
                                             (need_x, need_wt, need_w1, need_b1, need_w2, need_b2))
         gx = _sum_slots(gbuf, T, k_max) if need_x else None
         gwt = gwt.to(weights.dtype) if need_wt else None
-        return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None
+        return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None, None
 
 
 def _check(x, w1, w2, activation):
@@ -389,18 +397,21 @@ def _check(x, w1, w2, activation):
         raise ValueError(f"unknown activation {activation!r}")
 
 
-def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
+def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0, rows_per_token=None):
     """sum_n weights[n] * expert(x[token_index[n]]), gather and scatter fused: see reference.moe_mlp.
 
     x: [T, d]; token_index: [N] long, sorted by expert; weights: [N]; counts: [E];
     w1: [E, d, f], b1: [E, f], w2: [E, f, d], b2: [E, d] -> [T, d] (zeros for tokens with no row).
+    rows_per_token: a bound on any token's rows known on the host (top-k: k) sizes the per-token slots; None: the
+    largest is read from the device (a wait on a GPU). A bound below the largest fails the device's own assert
+    (torch._assert_async: checked without a wait).
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
     _check(x, w1, w2, activation)
     # The kernels read token_index and weights at unit stride: a strided view would be misread.
     return _MoEMLP.apply(x, token_index.contiguous(), weights.contiguous(), counts, w1, b1, w2, b2, activation,
-                         float(dropout_p))
+                         float(dropout_p), rows_per_token)
 
 
 def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):

@@ -119,6 +119,74 @@ def exchange_counts(send_counts, group):
     return recv
 
 
+def chunk_counts(send, D):
+    """send: [P, El] rows per (destination, local expert) -> [P, D, El], chunk c = part c of each block (the
+    overlapped all-to-all's chunks, pipeline.py)."""
+    P, El = send.shape
+    total = send.sum(1, keepdim=True)  # [P, 1]
+    bounds = torch.arange(D + 1, device=send.device) * total // D  # [P, D + 1] row bounds per block
+    cum = torch.cat([send.new_zeros(P, 1), send.cumsum(1)], 1)  # [P, El + 1] expert bounds per block
+    lo = torch.maximum(bounds[:, :-1, None], cum[:, None, :-1])  # [P, D, El]
+    hi = torch.minimum(bounds[:, 1:, None], cum[:, None, 1:])
+    return (hi - lo).clamp(min=0)
+
+
+@dataclass
+class Way:
+    """One direction of an all-to-all of rows: the rows sent to and received from each rank of the EP group (host
+    lists), and the 2-D all-to-all's counts of its two steps (device tensors (c, r1, r2) whose host lists host.py
+    keeps on them; None for the flat one)."""
+
+    send: list
+    recv: list
+    steps: Optional[tuple] = None
+
+    def back(self, steps=None):
+        """The way the gradients go: send and receive swapped (steps: the 2-D steps' counts of that direction)."""
+        return Way(self.recv, self.send, steps)
+
+
+def _step_counts(per_rank, ep):
+    """The 2-D all-to-all's counts for rows per_rank [P] to each rank of the EP group, exchanged (collectives), not
+    read: c [N dest nodes, L local ranks], r1 [L source local, N dest node], r2 [N source node, L source local]."""
+    L, N = ep.local_size, ep.size // ep.local_size
+    c = per_rank.reshape(N, L)
+    r1 = exchange_counts(c.t().contiguous(), ep.local_group)
+    r2 = exchange_counts(r1.t().contiguous(), ep.node_group)
+    return c, r1, r2
+
+
+class Plan:
+    """The counts of one layer call's all-to-alls, both ways (the rows out to their experts' ranks, the outputs back,
+    and the gradients of each): exchanged with the EP group's ranks when made (collectives: every rank makes one per
+    layer call, in the same place), then read from the device in one read (read(), or together with routing's read
+    of the kept counts: host.ahead). After it no all-to-all of the call, no backward and no expert op reads the
+    device. counts: [E] long, this rank's rows per expert (global ids), rows sorted by expert."""
+
+    def __init__(self, counts, ep):
+        P, El, D = ep.size, ep.num_local_experts, ep.overlap_degree
+        self.ep, self.counts = ep, counts
+        send = counts.view(P, El)  # rows for (destination rank, its local expert)
+        self.send = send if D == 1 else chunk_counts(send, D)  # [P, El], or [P, D, El] in D chunks
+        self.recv = exchange_counts(self.send, ep.group)  # [P source ranks, (D,) El]
+        self.steps = (None, None)
+        if ep.local_size > 1:  # (out, back)
+            self.steps = (_step_counts(send.sum(1), ep), _step_counts(self.recv.sum(1), ep))
+        self.tensors = [self.send, self.recv, *(t for s in self.steps if s for t in s)]
+
+    def read(self):
+        """Read what is not read yet of the counts (at most one read); -> self."""
+        host.read(self.counts, *self.tensors)
+        return self
+
+    def ways(self):
+        """(out, back): the Ways of the rows out to the experts and of their outputs back (flat or 2-D; D = 1)."""
+        P = self.ep.size
+        per_rank = lambda h: [sum(h[i * len(h) // P:(i + 1) * len(h) // P]) for i in range(P)]  # noqa: E731
+        out = Way(per_rank(host.sizes(self.send)), per_rank(host.sizes(self.recv)), self.steps[0])
+        return out, out.back(self.steps[1])
+
+
 def _flat(x, send, recv, group):
     """One all_to_all_single. send/recv: row counts per peer (lists of ints)."""
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
@@ -142,55 +210,71 @@ def block_transpose_index(counts, total=None):
     return offset + torch.arange(total, device=counts.device)
 
 
-def _hierarchical(x, send_counts, ep):
+def _hierarchical(x, way, ep):
     """The flat all-to-all's result in two steps (Tutel's 2-D all-to-all), variable splits.
 
     Rank me = (n, m): node n, local index m; P = N nodes x L local ranks, rank id n * L + m.
     1) intra-node: send to local peer m' every chunk bound for (n'', m'), for all nodes n'';
     2) inter-node: send to (n'', m) everything gathered for it from this node's ranks.
-    Each step first exchanges its own small count vectors (N or L ints per peer).
+    Both steps' counts were exchanged and read before (way.steps: _step_counts, then one read).
     """
     L, N = ep.local_size, ep.size // ep.local_size
-    c = send_counts.view(N, L)  # my rows for (n'', m') [dest node major]
-    # Both steps' counts first (every rank issues the same collectives in the same order), then one read of them all.
-    r1 = exchange_counts(c.t().contiguous(), ep.local_group)  # [L src local, N dest node]
-    r2 = exchange_counts(r1.t().contiguous(), ep.node_group)  # [N src node, L src local]
-    ch, r1h, r2h = host.read(c, r1, r2)  # (flat, row-major)
+    c, r1, r2 = way.steps
+    ch, r1h, r2h = host.read(c, r1, r2)  # (flat, row-major; known: read with the call's other counts)
     # Step 1: reorder my chunks from (n'', m') to (m', n'') so that each local peer's part is contiguous.
     x1 = x.index_select(0, block_transpose_index(c, total=sum(ch)))
     y1 = _flat(x1, [sum(ch[m::L]) for m in range(L)], [sum(r1h[l * N:(l + 1) * N]) for l in range(L)],
                ep.local_group)  # (src local l, dest node n'')
     # Step 2: regroup by destination node, then send each node its rows.
     x2 = y1.index_select(0, block_transpose_index(r1, total=sum(r1h)))  # (dest node n'', src local l)
-    y2 = _flat(x2, [sum(r1h[n::N]) for n in range(N)], [sum(r2h[n * L:(n + 1) * L]) for n in range(N)],
-               ep.node_group)
-    return y2, r2.reshape(-1)  # rows ordered by source rank n * L + l, exactly as the flat op
+    return _flat(x2, [sum(r1h[n::N]) for n in range(N)], [sum(r2h[n * L:(n + 1) * L]) for n in range(N)],
+                 ep.node_group)  # rows ordered by source rank n * L + l, exactly as the flat op
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, ep):
-        ctx.ep, ctx.counts = ep, (send_counts, recv_counts)
-        if ep.local_size > 1:
-            return _hierarchical(x, send_counts, ep)[0]
-        return _flat(x, *host.read(send_counts, recv_counts), ep.group)  # (kept lists: no read, host.py)
+    def forward(ctx, x, way, back, ep, counts):
+        ctx.way, ctx.back, ctx.ep, ctx.counts = way, back, ep, counts
+        return _hierarchical(x, way, ep) if way.steps is not None else _flat(x, way.send, way.recv, ep.group)
 
     @staticmethod
     def backward(ctx, grad):
-        send_counts, recv_counts = ctx.counts
-        # The adjoint of an all-to-all is the all-to-all with the splits swapped.
-        return _AllToAll.apply(grad, recv_counts, send_counts, ctx.ep), None, None, None
+        # The adjoint of an all-to-all is the all-to-all with the splits swapped: the way back (where not given, its
+        # 2-D steps' counts exchanged and read now, all_to_all's).
+        way, back = ctx.way, ctx.back
+        if back is None:
+            back = way.back(_read_steps(ctx.counts[1], ctx.ep))
+        return _AllToAll.apply(grad, back, way, ctx.ep, None), None, None, None, None
+
+
+def send_rows(x, way, back, ep):
+    """Differentiable all-to-all of rows x [sum(way.send), ...] ordered by destination rank along way, its gradient
+    along back (Ways, from a Plan: the counts known on the host, so nothing is read from the device, forward or
+    backward) -> [sum(way.recv), ...] ordered by source rank."""
+    return _AllToAll.apply(x, way, back, ep, None)
+
+
+def _read_steps(per_rank, ep):
+    """The 2-D steps' counts of rows per_rank [P], exchanged and read (None for the flat all-to-all)."""
+    if ep.local_size == 1:
+        return None
+    steps = _step_counts(per_rank, ep)
+    host.read(*steps)
+    return steps
 
 
 def all_to_all(x, send_counts, recv_counts, ep):
     """Differentiable all-to-all of rows, flat or hierarchical as ep says.
 
-    x: [sum(send_counts), ...] rows ordered by destination rank; send_counts, recv_counts: [P] long
-    (recv_counts from exchange_counts), their host lists kept on them (host.known) where the caller has them: the
-    flat exchange then reads nothing from the device, forward or backward; it keeps the lists it reads on them too, so
-    a caller must not change them in place afterwards. Returns [sum(recv_counts), ...] ordered by source rank.
+    x: [sum(send_counts), ...] rows ordered by destination rank; send_counts, recv_counts: [P] long (recv_counts
+    from exchange_counts). Exchanges the 2-D all-to-all's step counts first, then reads whatever counts are not known
+    on the host yet in one read (host.py); the backward does the same for its direction. Returns
+    [sum(recv_counts), ...] ordered by source rank. (The MoE layer plans both ways at once instead: Plan, send_rows.)
     """
-    return _AllToAll.apply(x, send_counts, recv_counts, ep)
+    steps = _step_counts(send_counts, ep) if ep.local_size > 1 else None
+    host.read(send_counts, recv_counts, *(steps or ()))
+    way = Way(host.sizes(send_counts), host.sizes(recv_counts), steps)
+    return _AllToAll.apply(x, way, None, ep, (send_counts, recv_counts))
 
 
 def expert_grad_hook(grad, ep, normalization="world_size"):

@@ -98,7 +98,7 @@ class Experts(nn.Module):
             return dtype
         return self.w1.dtype
 
-    def _run(self, op, x, *args, ops=reference, weights=None):
+    def _run(self, op, x, *args, ops=reference, weights=None, **kwargs):
         """ops.op on x and the weights (weights: (w1, b1, w2, b2), these experts' by default), all cast to
         compute_dtype(x), with autocast off: every backend then gets one dtype and computes in it natively (its
         custom autograd Functions and their backward too); the casts carry the gradients back to the weights'
@@ -106,7 +106,7 @@ class Experts(nn.Module):
         dtype = self.compute_dtype(x)
         w1, b1, w2, b2 = (grad_buffers.cast(w, dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
         with autocast_off(x.device.type):
-            return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p())
+            return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p(), **kwargs)
 
     def forward(self, rows, counts, ops=reference, weights=None):
         """rows: [N, d] sorted by expert, counts: [E] -> [N, d] in compute_dtype(rows). ops: the kernels
@@ -119,10 +119,11 @@ class Experts(nn.Module):
         counts = host.full(E, T, x.device)  # (known on the host: no device read)
         return self(x.repeat(E, 1), counts, ops).view(E, T, x.shape[1]).sum(0)
 
-    def combine(self, x, token_index, weights, counts, ops=reference):
+    def combine(self, x, token_index, weights, counts, ops=reference, rows_per_token=None):
         """sum over each token's rows of weight * expert(x[token]): x [T, d] -> [T, d] in compute_dtype(x), fused
-        (the weighted sum in that dtype, as the experts' outputs are)."""
-        return self._run("moe_mlp", x, token_index, weights, counts, ops=ops)
+        (the weighted sum in that dtype, as the experts' outputs are). rows_per_token: the most rows of a token,
+        where known on the host (ops.moe_mlp's)."""
+        return self._run("moe_mlp", x, token_index, weights, counts, ops=ops, rows_per_token=rows_per_token)
 
 
 def _take_local_slice(module, state_dict, prefix, *args):

@@ -13,6 +13,7 @@ spread over ranks (ep). A policy that mixes tokens into slots (Policy.slots) has
 Letters: T tokens, d model dim, f expert FFN dim, E experts (E_local on this rank), k experts per token,
 N rows routed (sorted by expert), G groups and n tokens per group (Soft MoE).
 """
+import contextlib
 import dataclasses
 from functools import partial
 from typing import Optional
@@ -22,7 +23,7 @@ from torch import nn
 
 from fairseq_moe_kernels import backend, host
 
-from .comm import ExpertParallel, all_to_all, block_transpose_index, exchange_counts, expert_grad_hook
+from .comm import ExpertParallel, Plan, block_transpose_index, expert_grad_hook, send_rows
 from .config import MoEConfig
 from .experts import Experts
 from .gates import GATES, noisy_logits
@@ -92,7 +93,7 @@ class MoELayer(nn.Module):
         if padding_mask is not None:
             if padding_mask.shape != shape[:-1]:
                 raise ValueError(f"padding_mask {tuple(padding_mask.shape)} must match x{tuple(shape[:-1])}")
-            keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)  # [T]
+            keep = _kept_positions(padding_mask)  # [T]
             x = x.index_select(0, keep)
         if token_ids is not None:
             if token_ids.shape != shape[:-1]:
@@ -106,16 +107,23 @@ class MoELayer(nn.Module):
         router = ops.router if ops.name == "triton" else None  # torch: route() shares the softmax
         bias = getattr(self, "routing_bias", None)
         counted = shape[:-1].numel() if cfg.capacity_counts_padding else T  # (the padding too: NLLB-MoE's capacity)
-        r = policy.route(logits, k, cfg.capacity(counted, self.training), cfg, self.training, router=router,
-                         bias=bias, token_ids=token_ids)
+        plans = []  # experts spread: the all-to-alls' counts, exchanged before routing's read (host.ahead)
+        with host.ahead(lambda counts: self._plan(counts, plans).tensors) if self.ep is not None else \
+                contextlib.nullcontext():
+            r = policy.route(logits, k, cfg.capacity(counted, self.training), cfg, self.training, router=router,
+                             bias=bias, token_ids=token_ids)
+        if plans and plans[0].counts is not r.counts:
+            raise RuntimeError(f"--moe-routing {cfg.routing}: the routing read counts other than the kept counts it "
+                               f"returns through host.routed (whose read the layer shares with the all-to-alls')")
         if bias is not None and self.training:
             self._demand = r.demand.detach().float() + (0 if self._demand is None else self._demand)
         weights = self._masked(r.weights, cfg.expert_output_masking)  # [N] (each expert output: --moe-eom)
         if self.ep is None:
-            y = self.experts.combine(x, r.token_index, weights, r.counts, ops)  # [T, d]
+            y = self.experts.combine(x, r.token_index, weights, r.counts, ops, policy.rows_per_token(cfg, k))  # [T, d]
         else:
             rows = ops.permute(x.to(dtype), r.token_index)  # [N, d] sorted by expert, cast before they travel
-            y = ops.unpermute(self.remote(rows, r.counts, ops), r.token_index, weights, T)  # [T, d]
+            y = ops.unpermute(self.remote(rows, r.counts, ops, plans[0] if plans else None), r.token_index, weights,
+                              T)  # [T, d]
 
         cmr = None
         if self.cmr_gate is not None:  # (1 - g) FFN(x) + g MoE(x), g dropped out in training (NLLB's CMRGate)
@@ -174,25 +182,27 @@ class MoELayer(nn.Module):
             self.routing_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
         self._demand = None
 
-    def remote(self, rows, counts, ops):
-        """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order."""
-        P, El = self.ep.size, self.ep.num_local_experts
-        send = counts.view(P, El)  # rows for (destination rank, its local expert)
+    def _plan(self, counts, plans):
+        plans.append(Plan(counts, self.ep))
+        return plans[-1]
+
+    def remote(self, rows, counts, ops, plan=None):
+        """Rows [N, d] sorted by global expert -> their experts on other ranks -> back, same order. plan: the call's
+        comm.Plan of counts, where made already (exchanged, maybe read); else made here."""
+        El = self.ep.num_local_experts
+        # The layer's one read of the device (host.py): what goes where, both ways, for every all-to-all of the call
+        # and its backward; where routing read the kept counts (capacity) it was that same read (host.ahead).
+        plan = (plan or Plan(counts, self.ep)).read()
         if self.ep.overlap_degree > 1:
-            return pipelined_experts(rows, send, self.experts, self.ep, self.ep.overlap_degree, ops)
-        recv = exchange_counts(send, self.ep.group)  # [P source ranks, El]
-        # The layer's one read of the device (host.py): what goes where, both ways; routing's read of counts, where
-        # it made one (capacity), is reused, and then recv alone is read.
-        send_h, recv_h = host.read(counts, recv)
-        per_rank = lambda h: [sum(h[i * El:(i + 1) * El]) for i in range(P)]  # noqa: E731
-        send_ranks = host.known(send.sum(1), per_rank(send_h))
-        recv_ranks = host.known(recv.sum(1), per_rank(recv_h))
-        x = all_to_all(rows, send_ranks, recv_ranks, self.ep)  # (source, local expert) order
-        order = block_transpose_index(recv, total=sum(recv_h))  # -> (local expert, source) order
-        y = self.experts(x.index_select(0, order), host.known(recv.sum(0), [sum(recv_h[e::El]) for e in range(El)]),
-                         ops)
+            return pipelined_experts(rows, plan, self.experts, ops)
+        out, back = plan.ways()
+        x = send_rows(rows, out, back, self.ep)  # (source, local expert) order
+        recv_h = host.sizes(plan.recv)
+        order = block_transpose_index(plan.recv, total=sum(recv_h))  # -> (local expert, source) order
+        rows_per_expert = host.known(plan.recv.sum(0), [sum(recv_h[e::El]) for e in range(El)])
+        y = self.experts(x.index_select(0, order), rows_per_expert, ops)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
-        return all_to_all(y, recv_ranks, send_ranks, self.ep)
+        return send_rows(y, back, out, self.ep)
 
     def _aux(self, logits, clean, r, T, k, cfg):
         # A zero loss that still belongs to the graph of every gate parameter (also for T = 0: the empty
@@ -213,6 +223,17 @@ class MoELayer(nn.Module):
             shazeer=None if r.top_experts is None else ShazeerInputs(
                 r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else ())),
         )
+
+
+def _kept_positions(padding_mask):
+    """The flat positions that are not padding [T]: a read of the device (nonzero), made once per mask tensor and kept
+    on it with the mask's version (the layers of one encoder or decoder get the same mask: one read per forward, not
+    per layer; a mask changed in place since is read again). What is kept holds no reference to the mask."""
+    version, keep = getattr(padding_mask, "_moe_keep", (None, None))
+    if version != padding_mask._version:
+        keep = (~padding_mask.reshape(-1).bool()).nonzero().squeeze(1)
+        padding_mask._moe_keep = (padding_mask._version, keep)
+    return keep
 
 
 def _bias_as_configured(module, state_dict, prefix, *args):

@@ -110,5 +110,13 @@ class MoEAux:
     @property
     def imbalance(self):
         """max / mean of the per-expert demand; 1.0 is a perfectly even load."""
+        return self.statistics()[1].item()
+
+    def statistics(self):
+        """(dropped fraction, imbalance, entropy): fp32 0-d tensors on the device of demand, made without reading it
+        (the criterion's metrics: fairseq reads them with its own, once per logged step)."""
         demand = self.demand.float()
-        return (demand.max() / demand.mean()).item() if self.num_tokens else 1.0
+        dropped = self.dropped.detach().float() if torch.is_tensor(self.dropped) else \
+            torch.full((), float(self.dropped), device=demand.device)
+        imbalance = demand.max() / demand.mean() if self.num_tokens else torch.ones((), device=demand.device)
+        return dropped.to(demand.device), imbalance, self.entropy.detach().float().to(demand.device)

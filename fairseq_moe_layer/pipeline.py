@@ -9,88 +9,98 @@ float rounding). Each chunk is computed by the layer's kernel backend, forward a
 import torch
 import torch.distributed as dist
 
-from .comm import block_transpose_index, exchange_counts
+from fairseq_moe_kernels import host
 
-
-def chunk_counts(send, D):
-    """send: [P, El] rows per (destination, local expert) -> [P, D, El], chunk c = part c of each block."""
-    P, El = send.shape
-    total = send.sum(1, keepdim=True)  # [P, 1]
-    bounds = torch.arange(D + 1, device=send.device) * total // D  # [P, D + 1] row bounds per block
-    cum = torch.cat([send.new_zeros(P, 1), send.cumsum(1)], 1)  # [P, El + 1] expert bounds per block
-    lo = torch.maximum(bounds[:, :-1, None], cum[:, None, :-1])  # [P, D, El]
-    hi = torch.minimum(bounds[:, 1:, None], cum[:, None, 1:])
-    return (hi - lo).clamp(min=0)
+from .comm import block_transpose_index
 
 
 def chunk_index(send_chunks):
-    """Row index of every chunk in the rows laid out (destination, local expert)."""
+    """Row index of every chunk in the rows laid out (destination, local expert). send_chunks [P, D, El] (its host
+    list known, or read here)."""
     P, D, El = send_chunks.shape
-    per = send_chunks.sum(2)  # [P, D]
-    flat = per.reshape(-1)
-    start = (torch.cumsum(flat, 0) - flat).view(P, D)  # where (dest, chunk) starts in the rows
-    return [torch.cat([torch.arange(int(start[r, c]), int(start[r, c] + per[r, c]), device=per.device)
+    per = _per_block(host.sizes(send_chunks), El)  # [(dest, chunk)] rows, dest major
+    start = [sum(per[:i]) for i in range(len(per))]
+    device = send_chunks.device
+    return [torch.cat([torch.arange(start[r * D + c], start[r * D + c] + per[r * D + c], device=device)
                        for r in range(P)]) for c in range(D)]
 
 
+def _per_block(h, El):
+    """A flat host list of [..., El] counts -> the sum of each block of El."""
+    return [sum(h[i:i + El]) for i in range(0, len(h), El)]
+
+
+class _Chunks:
+    """Host lists of a Plan's chunked counts: per chunk c, rows per peer sent and received, and the rows each local
+    expert gets."""
+
+    def __init__(self, plan):
+        P, D, El = plan.send.shape
+        send, recv = (_per_block(host.sizes(t), El) for t in (plan.send, plan.recv))  # [(peer, chunk)]
+        rh = host.sizes(plan.recv)
+        self.send = [[send[r * D + c] for r in range(P)] for c in range(D)]
+        self.recv = [[recv[r * D + c] for r in range(P)] for c in range(D)]
+        self.experts = [[sum(rh[(r * D + c) * El + e] for r in range(P)) for e in range(El)] for c in range(D)]
+
+
 def _a2a(x, send, recv, group):
-    out = x.new_empty((int(recv.sum()),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), recv.tolist(), send.tolist(), group=group,
-                                  async_op=True)
+    """An asynchronous all_to_all_single; send/recv: rows per peer (host lists)."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)
     return out, work
 
 
 class _Pipelined(torch.autograd.Function):
     """Forward: chunk c's rows travel while chunk c - 1 is computed. Backward: the same for the
     gradients, each chunk's backward being the kernel backend's own (autograd through its grouped MLP,
-    kept per chunk from the forward), so both backends run here as they do without overlap."""
+    kept per chunk from the forward), so both backends run here as they do without overlap. The counts come read
+    (a Plan with D chunks): no chunk reads the device."""
 
     @staticmethod
-    def forward(ctx, rows, send, w1, b1, w2, b2, ep, mlp, degree):
-        send_c = chunk_counts(send, degree)  # [P, D, El]
-        recv_c = exchange_counts(send_c, ep.group)  # [P source, D, El]
-        index = chunk_index(send_c)
+    def forward(ctx, rows, plan, w1, b1, w2, b2, mlp):
+        ep, recv_c = plan.ep, plan.recv  # recv_c [P source, D, El]
+        degree = plan.send.shape[1]
+        n = _Chunks(plan)
+        index = chunk_index(plan.send)
         weights = [w.detach().requires_grad_(w.requires_grad) for w in (w1, b1, w2, b2)]
         grad = any(ctx.needs_input_grad)  # at eval no chunk keeps a graph
         out = torch.empty_like(rows)
         saved, pending = [], []
-        inbound = _a2a(rows.index_select(0, index[0]), send_c[:, 0].sum(1), recv_c[:, 0].sum(1), ep.group)
+        inbound = _a2a(rows.index_select(0, index[0]), n.send[0], n.recv[0], ep.group)
         for c in range(degree):
             x, work = inbound
             work.wait()
             if c + 1 < degree:  # the next chunk travels while this one is computed
-                inbound = _a2a(rows.index_select(0, index[c + 1]), send_c[:, c + 1].sum(1),
-                               recv_c[:, c + 1].sum(1), ep.group)
-            order = block_transpose_index(recv_c[:, c])  # (source, expert) -> (expert, source)
+                inbound = _a2a(rows.index_select(0, index[c + 1]), n.send[c + 1], n.recv[c + 1], ep.group)
+            order = block_transpose_index(recv_c[:, c], total=sum(n.recv[c]))  # (source, expert) -> (expert, source)
             x = x.index_select(0, order).requires_grad_(rows.requires_grad and grad)
+            counts = host.known(recv_c[:, c].sum(0), n.experts[c])
             with torch.set_grad_enabled(grad):
-                y = mlp(x, recv_c[:, c].sum(0), *weights)  # [n_c, d], with its graph for backward
+                y = mlp(x, counts, *weights)  # [n_c, d], with its graph for backward
             back = torch.empty_like(x).index_copy_(0, order, y.detach())
-            pending.append((c, *_a2a(back, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
+            pending.append((c, *_a2a(back, n.recv[c], n.send[c], ep.group)))
             if grad:
                 saved.append((x, y, order))
         for c, back, work in pending:
             work.wait()
             out.index_copy_(0, index[c], back)
-        ctx.ep, ctx.chunks, ctx.weights = ep, saved, weights
-        ctx.index, ctx.send_c, ctx.recv_c = index, send_c, recv_c
+        ctx.ep, ctx.chunks, ctx.weights, ctx.index, ctx.n = ep, saved, weights, index, n
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        ep, index, send_c, recv_c, weights = ctx.ep, ctx.index, ctx.send_c, ctx.recv_c, ctx.weights
+        ep, index, n, weights = ctx.ep, ctx.index, ctx.n, ctx.weights
         grad_out = grad_out.contiguous()
         grad_rows = torch.empty_like(grad_out)
         grads = [torch.zeros_like(w) for w in weights]
         pending = []
         degree = len(ctx.chunks)
-        inbound = _a2a(grad_out.index_select(0, index[0]), send_c[:, 0].sum(1), recv_c[:, 0].sum(1), ep.group)
+        inbound = _a2a(grad_out.index_select(0, index[0]), n.send[0], n.recv[0], ep.group)
         for c, (x, y, order) in enumerate(ctx.chunks):
             g, work = inbound
             work.wait()
             if c + 1 < degree:
-                inbound = _a2a(grad_out.index_select(0, index[c + 1]), send_c[:, c + 1].sum(1),
-                               recv_c[:, c + 1].sum(1), ep.group)
+                inbound = _a2a(grad_out.index_select(0, index[c + 1]), n.send[c + 1], n.recv[c + 1], ep.group)
             wanted = [t for t in (x, *weights) if t.requires_grad]
             got = iter(torch.autograd.grad(y, wanted, g.index_select(0, order), allow_unused=True)
                        if wanted and y.requires_grad else ())
@@ -101,19 +111,19 @@ class _Pipelined(torch.autograd.Function):
                     total += part
             gx = torch.zeros_like(x) if gx is None else gx
             gx = torch.empty_like(gx).index_copy_(0, order, gx)
-            pending.append((c, *_a2a(gx, recv_c[:, c].sum(1), send_c[:, c].sum(1), ep.group)))
+            pending.append((c, *_a2a(gx, n.recv[c], n.send[c], ep.group)))
         for c, back, work in pending:
             work.wait()
             grad_rows.index_copy_(0, index[c], back)
         ctx.chunks = None  # free the chunks' graphs
-        return (grad_rows, None, *(gw if w.requires_grad else None for gw, w in zip(grads, weights)),
-                None, None, None)
+        return (grad_rows, None, *(gw if w.requires_grad else None for gw, w in zip(grads, weights)), None)
 
 
-def pipelined_experts(rows, send, experts, ep, degree, ops):
-    """rows [N, d] sorted by global expert, send [P, El] -> expert outputs [N, d], same order.
-    ops: the kernel backend (fairseq_moe_kernels.backend.ops); its grouped MLP computes each chunk."""
+def pipelined_experts(rows, plan, experts, ops):
+    """rows [N, d] sorted by global expert, plan: the call's comm.Plan (D > 1 chunks; read) -> expert outputs
+    [N, d], same order. ops: the kernel backend (fairseq_moe_kernels.backend.ops); its grouped MLP computes each
+    chunk."""
     def mlp(x, counts, w1, b1, w2, b2):  # (in compute_dtype(x), as Experts.forward: autocast's where it is on)
         return experts(x, counts, ops, weights=(w1, b1, w2, b2))
 
-    return _Pipelined.apply(rows, send, experts.w1, experts.b1, experts.w2, experts.b2, ep, mlp, degree)
+    return _Pipelined.apply(rows, plan, experts.w1, experts.b1, experts.w2, experts.b2, mlp)

@@ -76,6 +76,12 @@ class Policy:
         """Raise ValueError naming the flag, for settings this policy cannot take (beyond the generic checks
         of each setting's range, which MoEConfig.validate runs)."""
 
+    def rows_per_token(self, cfg, k):
+        """The most rows a token gets at k experts per token, known without reading the device (the Triton moe_mlp
+        sizes its slots by it, and a token with more fails its device assert); None (here: a policy that does not
+        say) where only the data tells."""
+        return None
+
     def router_outputs(self, cfg):
         """Logits the gate computes per token."""
         return cfg.num_experts
@@ -190,6 +196,9 @@ class TopK(Policy):
                                         "be combined with --moe-score sigmoid, --moe-bias-update-rate or "
                                         "--moe-topk-groups")
 
+    def rows_per_token(self, cfg, k):
+        return k  # (k distinct experts; fewer where dropped or thinned)
+
     def at_k(self, cfg, k):
         # With k = 1 the options of the second and later choices have nothing to act on: off.
         names = ("second_expert_policy", "normalize_gate_prob_before_dropping")
@@ -284,11 +293,12 @@ def _within_capacity(order, demand, capacity, *, thinned=False):
     """(the assignments kept, kept per expert): in each expert, the first `capacity` in priority order. order: the
     assignments sorted by expert (demand[e] of expert e, one block after another; thinned: more after the last block,
     left out). Where the kept rows are fewer than order's, their number comes from the host's copy of the kept counts
-    (host.py: the layer's one read of the device, which the expert ops then reuse); dropless and unthinned, none."""
+    (host.routed: the layer's one read of the device, with what the other ranks send it where the experts are spread;
+    the expert ops then reuse it); dropless and unthinned, none."""
     if capacity is None and not thinned:
         return order, demand
     counts = demand if capacity is None else demand.clamp(max=capacity)
-    n = sum(host.sizes(counts))
+    n = sum(host.routed(counts))
     if capacity is None:
         return order[:n], counts
     # Expert e keeps positions starts[e] .. starts[e] + counts[e] of order: kept row i of e sits at i + (where e's
@@ -311,6 +321,9 @@ class Hash(Policy):
     needs_token_ids = True
     only_top_k = 1
     dropped = "the fraction of the tokens over capacity"
+
+    def rows_per_token(self, cfg, k):
+        return 1
 
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         if token_ids is None:
@@ -339,6 +352,7 @@ class ExpertChoice(Policy):
     dropless = False
     dropped = "the fraction of the tokens no expert took"
 
+
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         T, E = logits.shape
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
@@ -363,6 +377,9 @@ class Dense(Policy):
     has_capacity = False
     every_expert = True
     dropped = "always 0"
+
+    def rows_per_token(self, cfg, k):
+        return cfg.num_experts  # (every expert, once)
 
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
         T, E = logits.shape

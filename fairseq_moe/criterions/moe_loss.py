@@ -70,26 +70,29 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
         used = sum(a.cmr_gate_sum for a in cmr) / max(sum(a.num_tokens for a in cmr), 1e-5)
         if cfg.cmr_gate_loss_wt:
             loss = loss + sample_size * cfg.cmr_gate_loss_wt * (used - cfg.cmr_gate_loss_p).abs()
-        logging_output["moe_cmr_gate"] = used.detach().item() * sample_size
+        logging_output["moe_cmr_gate"] = used.detach() * sample_size
     n = len(auxes)
-    # Metrics are means over layers, weighted by sample_size so that reduce_metrics can average.
-    logging_output["moe_balance_loss"] = balance.detach().mean().item() * sample_size
-    logging_output["moe_z_loss"] = z.detach().item() * sample_size
-    logging_output["moe_dropped"] = sum(a.dropped_fraction for a in auxes) / n * sample_size
-    logging_output["moe_imbalance"] = sum(a.imbalance for a in auxes) / n * sample_size
-    logging_output["moe_entropy"] = sum(a.entropy.item() for a in auxes) / n * sample_size
+    # Metrics are means over layers, weighted by sample_size so that reduce_metrics can average; 0-d tensors, as
+    # fairseq's own criterions log: read from the device with fairseq's (once per logged step), not layer by layer.
+    stats = torch.stack([torch.stack(a.statistics()) for a in auxes])  # [layers, (dropped, imbalance, entropy)]
+    means = stats.mean(0) * sample_size
+    logging_output["moe_balance_loss"] = balance.detach().mean() * sample_size
+    logging_output["moe_z_loss"] = z.detach() * sample_size
+    logging_output["moe_dropped"], logging_output["moe_imbalance"], logging_output["moe_entropy"] = means.unbind()
     if shazeer:
-        logging_output["moe_importance_loss"] = sum(a.importance_loss.item() for a in auxes) / n * sample_size
-        logging_output["moe_load_loss"] = sum(a.load_loss.item() for a in auxes) / n * sample_size
+        logging_output["moe_importance_loss"] = sum(a.importance_loss.detach() for a in auxes) / n * sample_size
+        logging_output["moe_load_loss"] = sum(a.load_loss.detach() for a in auxes) / n * sample_size
     if cfg.moe_log_per_layer:
         for name, block in moe_blocks(model):
             a = block.last_aux
-            if a is not None:
-                side, _, index = name.split(".")[:3]  # encoder.layers.1.fc1 -> moe_encoder1_
-                prefix = f"moe_{side}{index}_"
-                for key, value in (("balance", a.balance_loss.item()), ("dropped", a.dropped_fraction),
-                                   ("imbalance", a.imbalance), ("entropy", a.entropy.item())):
-                    logging_output[prefix + key] = value * sample_size
+            if a is None:
+                continue
+            side, _, index = name.split(".")[:3]  # encoder.layers.1.fc1 -> moe_encoder1_
+            prefix = f"moe_{side}{index}_"
+            dropped, imbalance, entropy = a.statistics()
+            for key, value in (("balance", a.balance_loss.detach()), ("dropped", dropped), ("imbalance", imbalance),
+                               ("entropy", entropy)):
+                logging_output[prefix + key] = value * sample_size
     return loss
 
 

@@ -54,7 +54,7 @@ class MoEFeedForward(nn.Module):
             y = y.transpose(0, 1)
         else:
             ids = None if self.token_ids is None else self.token_ids.t()
-            y, self.last_aux = self.moe(x, None if mask is None else mask.t(), token_ids=ids)
+            y, self.last_aux = self.moe(x, None if mask is None else _transposed(mask), token_ids=ids)
         self.last_label_demand = self._demand_by_label(x.shape[0], batch_major, mask)
         return y
 
@@ -105,6 +105,17 @@ class _MoEBlock:
             yield
         finally:
             self.fc1.padding_mask = None
+
+
+def _transposed(mask):
+    """mask.t() as one tensor per mask, kept on it with the mask's version: the MoE layers of an encoder or decoder then
+    share it, and the positions the layer keeps of it (MoELayer: read once per mask). A copy, not a view: a view kept
+    on its own base would hold it forever (a reference cycle through the tensor that Python's collector cannot see)."""
+    version, copy = getattr(mask, "_moe_t", (None, None))
+    if version != mask._version:
+        copy = mask.t().clone()
+        mask._moe_t = (mask._version, copy)
+    return copy
 
 
 def _identity(x):

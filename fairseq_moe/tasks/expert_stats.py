@@ -65,16 +65,18 @@ class ExpertLoadLog:
         self.sums = {}
 
     def add(self, model):
+        """Add the latest forward's statistics of each layer, on the device (no read: maybe_write reads them)."""
         for name, block in moe_blocks(model):
             a = block.last_aux
             if a is not None:
-                n = a.num_tokens
+                n, device = a.num_tokens, a.demand.device
                 by_pair = block.last_label_demand
                 if by_pair is None or by_pair.shape[0] != len(self.pairs):
-                    by_pair = torch.zeros(len(self.pairs), block.moe.cfg.num_experts, dtype=torch.float64)
-                row = torch.cat([a.demand.detach().to("cpu", torch.float64), torch.tensor(
-                    [n, a.dropped_fraction * n, float(a.entropy) * n], dtype=torch.float64),
-                    by_pair.to("cpu", torch.float64).reshape(-1)])
+                    by_pair = torch.zeros(len(self.pairs), block.moe.cfg.num_experts, device=device)
+                dropped, _, entropy = a.statistics()
+                counted = torch.stack([torch.full((), n, dtype=torch.float64, device=device), dropped.double() * n,
+                                       entropy.double() * n])
+                row = torch.cat([a.demand.detach().double(), counted, by_pair.double().reshape(-1)])
                 self.sums[name] = self.sums.get(name, 0) + row
 
     def maybe_write(self, update_num, model):
@@ -83,7 +85,9 @@ class ExpertLoadLog:
         # The same layout on every rank (a layer without a forward here counts zeros).
         P = len(self.pairs)
         layout = [(name, block.moe.cfg.num_experts * (1 + P) + 3) for name, block in moe_blocks(model)]
-        flat = torch.cat([self.sums.get(name, torch.zeros(size, dtype=torch.float64)) for name, size in layout])
+        device = next((s.device for s in self.sums.values()), torch.device("cpu"))
+        flat = torch.cat([self.sums.get(name, torch.zeros(size, dtype=torch.float64, device=device))
+                          for name, size in layout]).cpu()  # (one read of the device per interval)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":  # (NCCL reduces CUDA tensors only)
                 on_gpu = flat.to(torch.device("cuda", torch.cuda.current_device()))

@@ -125,6 +125,25 @@ def test_moe_mlp_matches_reference(route, activation):
     assert ours[0][dropped].abs().sum() == 0  # tokens that kept no row get zeros
 
 
+def test_moe_mlp_slots_sized_by_the_callers_bound():
+    """rows_per_token (the layer's bound, known on the host: top-k's k) sizes the per-token slots without reading the
+    device: at the bound and above it the result is the reference's; below it the device's assert stops it (checked
+    on the CPU)."""
+    from tests.host_reads import counted
+
+    args = moe_args("k2_capacity_drops")
+    ref = run(reference.moe_mlp, args)
+    for bound in (None, 2, 3):
+        with counted() as found:
+            ours = run(tri.moe_mlp, args, rows_per_token=bound)
+        reads = [where for where in found if "triton_grouped_mlp.py" in where]  # (the largest count of a token's rows)
+        assert len(reads) == (bound is None), found
+        assert_same(ours, ref, ["x", "weights", "w1", "b1", "w2", "b2"])
+    if DEVICE == "cpu":  # (on CUDA the device assert is fatal to the process, and its message is not kept)
+        with pytest.raises(RuntimeError, match="more than rows_per_token 1"):
+            tri.moe_mlp(*args, rows_per_token=1)
+
+
 @pytest.mark.parametrize("activation", ACTS_MARKED)
 def test_dropout_draws_the_reference_mask(activation):
     """Same seed -> the same mask as reference (rand_like on the [N, f] activation, >= p)."""

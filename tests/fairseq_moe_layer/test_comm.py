@@ -127,17 +127,17 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
         assert len(calls) == overlap_degree  # one per chunk (the whole block when not overlapped)
 
 
-def _check_host_reads(rank, W, local_size=None, expected=((0.0, 1, 0), (1.0, 2, 0))):
+def _check_host_reads(rank, W, local_size=None, overlap_degree=1, expected=((0.0, 1, 0), (1.0, 1, 0))):
     """With the experts spread, the reads of the device (tests/host_reads.py counts; on a GPU each read is a sync) in
-    a forward and a backward, (capacity factor, forward, backward) as expected: the flat all-to-all reads once when
-    dropless (what goes where, both ways, together), twice at capacity (routing's kept counts, then what the other ranks
-    send), never in a backward; the 2-D one once more in each of its calls (both steps' counts read together)."""
+    a forward and a backward, (capacity factor, forward, backward) as expected: one read a call, dropless or at
+    capacity (routing's kept counts read with what the other ranks send, comm.Plan), flat, 2-D or overlapped; none
+    in a backward; with a padding mask one more, the first time that mask is seen."""
     from tests.host_reads import counted
 
     for capacity_factor, forward, backward in expected:
         cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=capacity_factor)
         torch.manual_seed(0)
-        layer = MoELayer(cfg, expert_parallel(4, local_size=local_size))
+        layer = MoELayer(cfg, expert_parallel(4, local_size=local_size, overlap_degree=overlap_degree))
         x = torch.randn(9 + rank, 6, requires_grad=True)
         with counted() as found:
             y, aux = layer(x)
@@ -228,7 +228,8 @@ CHECKS = {
         (_check_layer, (2, 1, 0.0, None, 1, "torch", "topk", "sqrt_world_size")),  # ... divided by 2 * sqrt(2)
         (_check_layer, (4, 4, 0.0, None)),  # k = 4
         (_check_layer, (8, 2, 1.0, None, 2)),  # overlap, capacity dropping, a rank with no tokens
-        (_check_host_reads, (2, ((0.0, 3, 2), (1.0, 4, 2)))),  # the 2-D all-to-all: one read a call
+        (_check_host_reads, (2,)),  # the 2-D all-to-all: one read a call
+        (_check_host_reads, (None, 2)),  # overlapped in 2 chunks: one read a call
     ],
 }
 
@@ -241,7 +242,8 @@ def test_expert_parallel(world_size):
 
 @pytest.mark.parametrize("D", [1, 2, 3, 7])
 def test_overlap_chunks_partition_every_block(D):
-    from fairseq_moe_layer.pipeline import chunk_counts, chunk_index
+    from fairseq_moe_layer.comm import chunk_counts
+    from fairseq_moe_layer.pipeline import chunk_index
 
     send = torch.tensor([[3, 0, 2], [0, 0, 0], [1, 5, 4], [0, 1, 0]])  # [P, El], an empty peer
     chunks = chunk_counts(send, D)  # [P, D, El]

@@ -35,16 +35,20 @@ def test_one_read_per_forward_none_in_backward(name, settings, forward_reads):
     assert not found, (name, found)
 
 
-def test_a_padding_mask_is_one_read_more():
-    """The padding's positions are left out before routing (their number sizes everything after): one read."""
+def test_a_padding_mask_is_one_read_more_once_per_mask():
+    """The padding's positions are left out before routing (their number sizes everything after): one read, made once
+    per mask tensor (kept on it): a second layer given the same mask (fairseq gives every layer of an encoder the
+    same) reads only its counts."""
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(**BASE, capacity_factor=1.0))
+    layers = [MoELayer(MoEConfig(**BASE, capacity_factor=1.0)) for _ in range(2)]
     x = torch.randn(3, 10, 8)
     mask = torch.zeros(3, 10, dtype=torch.bool)
     mask[0, 6:] = True
-    with counted() as found:
-        layer(x, padding_mask=mask)
-    assert sum(found.values()) == 2 and any("nonzero" in k for k in found), found
+    for layer, reads in zip(layers, (2, 1)):
+        with counted() as found:
+            y, _ = layer(x, padding_mask=mask)
+        assert sum(found.values()) == reads and any("nonzero" in k for k in found) == (reads == 2), found
+        assert y[0, 6:].abs().sum() == 0 and y[0, :6].abs().sum() > 0
 
 
 def test_hash_routing_reads_once_but_for_one_hots_check_on_the_cpu():
@@ -56,3 +60,22 @@ def test_hash_routing_reads_once_but_for_one_hots_check_on_the_cpu():
         layer(x, token_ids=torch.randint(0, 50, (3, 10)))
     outside_one_hot = {k: n for k, n in found.items() if "routing.py" not in k or n != 2}
     assert sum(found.values()) == 3 and len(outside_one_hot) == 1 and "host.py" in next(iter(outside_one_hot)), found
+
+
+def test_kept_positions_follow_the_mask_and_do_not_hold_it():
+    """What a mask keeps on itself is read again once the mask is changed in place, and does not keep the mask alive
+    (a view of a tensor kept on that tensor would: a cycle Python's collector cannot see)."""
+    import gc
+    import weakref
+
+    from fairseq_moe_layer.layer import _kept_positions
+
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    assert _kept_positions(mask).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    mask[0, 4] = True  # in place
+    assert _kept_positions(mask).tolist() == [0, 1, 2, 3, 5, 6, 7]
+    gone = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert gone() is None

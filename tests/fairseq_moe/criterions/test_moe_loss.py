@@ -76,12 +76,39 @@ def test_per_layer_metrics(data_bin, tmp_path):
     layers = ("moe_encoder1", "moe_decoder1")
     for key, aggregate in (("balance", "moe_balance_loss"), ("dropped", "moe_dropped"),
                            ("imbalance", "moe_imbalance"), ("entropy", "moe_entropy")):
-        values = [log[f"{layer}_{key}"] for layer in layers]
-        assert sum(values) / 2 == pytest.approx(log[aggregate], rel=1e-6)
-    assert log["moe_encoder1_dropped"] == pytest.approx(auxes[0].dropped_fraction * sample_size)
+        values = [float(log[f"{layer}_{key}"]) for layer in layers]
+        assert sum(values) / 2 == pytest.approx(float(log[aggregate]), rel=1e-6)
+    assert float(log["moe_encoder1_dropped"]) == pytest.approx(auxes[0].dropped_fraction * sample_size)
     assert log["moe_decoder1_dropped"] > 0
     _, _, plain, _ = losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy")
     assert not [key for key in plain if key.startswith(layers)]
+
+
+def test_metrics_read_nothing_from_the_device(data_bin, tmp_path):
+    """The MoE metrics are logged as 0-d tensors, as fairseq's own criterions log theirs, and made without reading
+    the device (tests/host_reads.py counts; on a GPU each read waits for the queue): fairseq reads them with its own
+    loss, once per logged step. Their values: the layers' means, times sample_size."""
+    from fairseq_moe.criterions.moe_loss import add_moe_loss
+    from tests.host_reads import counted
+
+    task, model, criterion, args = build(train_argv(data_bin, tmp_path, "--moe-log-per-layer", "--moe-gate-loss-type",
+                                                    "importance_load", "--moe-capacity-factor", "0.5"))
+    model.train()
+    criterion(model, first_batch(task, args))
+    log = {}
+    with counted() as found:
+        add_moe_loss(criterion.moe_cfg, model, torch.zeros(()), 3, log)
+    assert not found, found
+    keys = [key for key in log if key.startswith("moe_")]
+    assert {"moe_balance_loss", "moe_dropped", "moe_imbalance", "moe_entropy", "moe_load_loss",
+            "moe_encoder1_imbalance"} <= set(keys)
+    assert all(torch.is_tensor(log[key]) and log[key].dim() == 0 for key in keys), log
+    auxes = [b.last_aux for _, b in moe_blocks(model)]
+    for key, value in (("moe_dropped", sum(a.dropped_fraction for a in auxes) / 2),
+                       ("moe_imbalance", sum(a.imbalance for a in auxes) / 2),
+                       ("moe_entropy", sum(a.entropy.item() for a in auxes) / 2)):
+        assert float(log[key]) == pytest.approx(3 * value, rel=1e-6), key
+    assert float(log["moe_dropped"]) > 0
 
 
 def test_pad_mask_keeps_padding_out_of_routing(data_bin, tmp_path):
@@ -94,6 +121,25 @@ def test_pad_mask_keeps_padding_out_of_routing(data_bin, tmp_path):
         enc = dict(moe_blocks(model))["encoder.layers.1.fc1"].last_aux
         non_pad = int(src.ne(task.source_dictionary.pad()).sum())
         assert enc.num_tokens == (src.numel() if expect_all else non_pad)
+
+
+def test_the_transposed_mask_is_shared_and_frees_the_mask():
+    """The MoE blocks of an encoder share one transposed copy of its mask (and the positions it keeps), made again
+    after the mask changes in place, and holding no reference to the mask (a view kept on it would leak it)."""
+    import gc
+    import weakref
+
+    from fairseq_moe.models.moe_ffn import _transposed
+
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    first = _transposed(mask)
+    assert _transposed(mask) is first and torch.equal(first, mask.t())
+    mask[0, 2] = True
+    assert torch.equal(_transposed(mask), mask.t()) and _transposed(mask) is not first
+    gone = weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert gone() is None
 
 
 def test_validation_uses_eval_capacity(data_bin, tmp_path):
