@@ -67,14 +67,16 @@ def kd_term(student_logits, teacher_logits, keep, temperature, topk=0, reduce=Tr
     """KL(q_T || p_T) at each kept position (see the module's docstring), summed where reduce. student_logits,
     teacher_logits: [..., V]; keep: [...] bool (the target tokens that count); -> a 0-d fp32 tensor, or [n] (every
     position, flat; 0 where not kept) without reduce."""
-    log_p = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    teacher = teacher_logits.float() / temperature
-    if topk:
-        top, index = teacher.topk(min(topk, teacher.shape[-1]), dim=-1)
-        log_q, log_p = F.log_softmax(top, dim=-1), log_p.gather(-1, index)
+    student = student_logits.float() / temperature
+    if topk:  # (the teacher's K first: only [.., K] of it in fp32; the student's normaliser from its logsumexp)
+        top, index = teacher_logits.topk(min(topk, teacher_logits.shape[-1]), dim=-1)
+        log_q = F.log_softmax(top.float() / temperature, dim=-1)
+        log_p = student.gather(-1, index) - student.logsumexp(-1, keepdim=True)
     else:
-        log_q = F.log_softmax(teacher, dim=-1)
-    per_position = (log_q.exp() * (log_q - log_p)).sum(-1) * keep  # (a product, not a boolean index: no read)
+        log_q = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+        log_p = F.log_softmax(student, dim=-1)
+    per_position = F.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
+    per_position = torch.where(keep, per_position, 0.0)  # (not a boolean index: no read of the device)
     return per_position.sum() if reduce else per_position.reshape(-1)
 
 
@@ -94,7 +96,8 @@ def _check_vocabulary(path, state, task):
                             f"dictionary {len(dictionary)}: distillation needs the teacher's dictionaries")
     cfg = state.get("cfg") or {}
     theirs = str((cfg.get("task") or {}).get("data") or "").split(os.pathsep)[0]
-    ours = str(getattr(task.cfg, "data", "") or "").split(os.pathsep)[0]
+    ours = str(getattr(getattr(task, "cfg", None), "data", None) or getattr(getattr(task, "args", None), "data", "")
+               or "").split(os.pathsep)[0]  # (fairseq's legacy tasks keep theirs in task.args)
     if not theirs or not ours or not os.path.isdir(theirs) or os.path.realpath(theirs) == os.path.realpath(ours):
         return
     for name in sorted(os.listdir(theirs)):
@@ -113,16 +116,28 @@ def load_teacher(path, task):
 
     try:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)  # (the plugin's: a file or a set, this rank's experts)
+        _check_vocabulary(path, state, task)
+        cfg = state["cfg"]
+        model = models.build_model(cfg.model, task, from_checkpoint=True)
+    except FlagError as e:  # (the teacher's own settings, or its experts and this world size)
+        raise FlagError(e.args[0] if str(e).startswith("--kd-teacher") else f"--kd-teacher {path} (its own "
+                        f"settings): {e}") from None
     except (CheckpointError, FileNotFoundError, IsADirectoryError) as e:
         raise FlagError(f"--kd-teacher {path}: {e}") from None
-    _check_vocabulary(path, state, task)
-    cfg = state["cfg"]
-    model = models.build_model(cfg.model, task, from_checkpoint=True)
     try:
         model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
-    except RuntimeError as e:  # (the first line of torch's report: what does not fit)
-        raise FlagError(f"--kd-teacher {path}: its weights do not fit the model its own settings build "
-                        f"({str(e).strip().splitlines()[0]})") from None
+    except RuntimeError as e:  # (torch's report after its first line: the keys missing, unexpected or of other sizes)
+        detail = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
+        raise FlagError(f"--kd-teacher {path}: its weights do not fit the model its own settings build: "
+                        f"{detail[:300]}") from None
+    decoder = getattr(model, "decoder", None)
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        raise FlagError(f"--kd-teacher {path}: a teacher with an adaptive softmax has no plain logits to distil")
+    outputs = getattr(getattr(decoder, "output_projection", None), "out_features", None)
+    target = getattr(task, "target_dictionary", None)
+    if outputs is not None and target is not None and outputs != len(target):
+        raise FlagError(f"--kd-teacher {path}: its output has {outputs} types, the student's dictionary "
+                        f"{len(target)}: distillation needs the teacher's dictionaries")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -147,14 +162,15 @@ class MoEDistillationCriterion(MoECriterionMixin, LabelSmoothedCrossEntropyCrite
         criterion.__dict__["teacher"] = load_teacher(cfg.kd_teacher, task)
         return criterion
 
-    def teacher_logits(self, sample, like):
-        """The teacher's logits for sample's inputs, without a graph; the teacher moved to like's device (and to its
-        dtype where that is 16-bit: the student's half-precision training) at its first call."""
+    def teacher_logits(self, sample, student):
+        """The teacher's logits for sample's inputs, without a graph; the teacher moved to the student's device, and
+        to the dtype of its weights where those are 16-bit (--fp16, --bf16; under --amp the weights stay fp32 and so
+        does the teacher, autocast computing it as it computes the student) at its first call."""
         teacher = self.__dict__["teacher"]
-        p = next(teacher.parameters())
-        dtype = like.dtype if like.dtype in (torch.float16, torch.bfloat16) else p.dtype
-        if p.device != like.device or p.dtype != dtype:
-            teacher.to(device=like.device, dtype=dtype)
+        p, mine = next(teacher.parameters()), next(student.parameters())
+        dtype = mine.dtype if mine.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        if p.device != mine.device or p.dtype != dtype:
+            teacher.to(device=mine.device, dtype=dtype)
         teacher.eval()
         with torch.no_grad():
             return teacher(**sample["net_input"])[0]
@@ -162,7 +178,9 @@ class MoEDistillationCriterion(MoECriterionMixin, LabelSmoothedCrossEntropyCrite
     def forward(self, model, sample, reduce=True):
         net_output = model(**sample["net_input"])
         ls_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
-        teacher = self.teacher_logits(sample, net_output[0])
+        if not reduce:  # (fairseq's are [N, 1] where it ignores padding)
+            ls_loss, nll_loss = ls_loss.reshape(-1), nll_loss.reshape(-1)
+        teacher = self.teacher_logits(sample, model)
         student, target = net_output[0], model.get_targets(sample, net_output)
         if teacher.shape != student.shape:
             raise FlagError(f"--kd-teacher: the teacher's output {tuple(teacher.shape)} is not the student's "

@@ -77,7 +77,7 @@ def test_loss_is_the_formula_by_hand(data_bin, tmp_path, teachers, student, teac
     with torch.no_grad():
         want_teacher = reference.eval()(**sample["net_input"])[0]
         student_logits = model(**sample["net_input"])[0]
-    assert torch.equal(criterion.teacher_logits(sample, student_logits), want_teacher)
+    assert torch.equal(criterion.teacher_logits(sample, model), want_teacher)
 
     target, pad = sample["target"], task.target_dictionary.pad()
     lprobs = torch.log_softmax(student_logits.double(), -1)
@@ -91,6 +91,10 @@ def test_loss_is_the_formula_by_hand(data_bin, tmp_path, teachers, student, teac
     assert loss.item() == pytest.approx(want, rel=1e-5)
     assert float(log["kd_loss"]) == pytest.approx(kd, rel=1e-5) and kd > 0
     assert float(log["nll_loss"]) == pytest.approx(nll.item(), rel=1e-5)
+    if not auxes:  # unreduced: one loss per target position, which sum to the loss
+        per_position, _, _ = criterion(model, sample, reduce=False)
+        assert per_position.shape == (target.numel(),)
+        assert per_position.sum().item() == pytest.approx(want, rel=1e-5)
 
 
 def _distil_on_ranks(rank, W, argv, out):
