@@ -26,6 +26,7 @@ from argparse import Namespace
 from .errors import CheckpointError, FlagError
 from .checkpoints.new_files import one_line, refuse_existing
 from .checkpoints.command import PROG, check_data, parser, read_any, run, safe_globals
+from .checkpoints.fits import expert_counts
 from .checkpoints.state import every_nth, section
 
 _MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
@@ -61,6 +62,10 @@ def nllb_config(a, moe_layers, vocab):
             raise FlagError(f"{flag} {why}: NllbMoe cannot express it")
 
     d = a["encoder_embed_dim"]
+    counts = expert_counts(a["moe_expert_count"])
+    need(len(set(counts)) == 1, f"--moe-expert-count {a['moe_expert_count']}",
+         "gives its MoE layers different expert counts (NllbMoe has one num_experts for every layer; a pruned model: "
+         "prune with --uniform)")
     need(a["decoder_embed_dim"] == d and a.get("decoder_output_dim", d) == d and a.get("decoder_input_dim", d) == d,
          f"--decoder-embed-dim {a['decoder_embed_dim']}", f"differs from --encoder-embed-dim {d}")
     for side in ("encoder", "decoder"):
@@ -133,7 +138,7 @@ def nllb_config(a, moe_layers, vocab):
         activation_function=a.get("activation_fn", "relu"), dropout=a.get("dropout", 0.1),
         attention_dropout=a.get("attention_dropout", 0.0), activation_dropout=a.get("activation_dropout", 0.0),
         scale_embedding=not a.get("no_scale_embedding"), router_bias=False, router_dtype="float32",
-        router_ignore_padding_tokens=not a.get("use_moe_pad_mask"), num_experts=a["moe_expert_count"],
+        router_ignore_padding_tokens=not a.get("use_moe_pad_mask"), num_experts=counts[0],
         expert_capacity=None, encoder_sparse_step=steps["encoder"], decoder_sparse_step=steps["decoder"],
         router_z_loss_coef=a.get("moe_z_loss_wt", 0.0), router_aux_loss_coef=a.get("moe_gate_loss_wt", 0.01),
         second_expert_policy="all",

@@ -55,12 +55,12 @@ def reshard(src, out, world_size, ema=False):
             shards.MADE_BY: {"what": "the EMA weights written by reshard --ema"}}))  # (not resumed as a run)
     experts = _check_state(state, src)
     safe_load.check_config(state, src)  # nothing runs here, but a checkpoint that would run code is not copied on
-    for E in set(experts.values()):
+    for name, E in experts.items():
         try:
             expert_parallel_size(E, world_size)
         except ValueError:
-            raise FlagError(f"--world-size {world_size}: {src} has {E} experts per MoE layer; one must be a "
-                            f"multiple of the other (E/W experts per rank, or W/E replicas of each)") from None
+            raise FlagError(f"--world-size {world_size}: {src} has {E} experts in {name.rsplit('.', 2)[0]}; one must "
+                            f"be a multiple of the other (E/W experts per rank, or W/E replicas of each)") from None
     return write_new(out, lambda save: write(state, src, out, world_size, save))
 
 

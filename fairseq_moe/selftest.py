@@ -138,7 +138,7 @@ FP32, FP16, BF16 = 1e-4, 1e-2, 3e-2  # largest relative difference allowed (fp16
 class Feature:
     name: str
     what: str
-    flags: tuple = ()  # both runs'
+    flags: tuple = ()  # both runs' ({E}: the expert count of the run, {E2}: twice it)
     ranks_only: tuple = ()  # the W ranks' alone (one process has no such thing)
     tolerance: float = FP32
     min_ranks: int = 1
@@ -156,6 +156,8 @@ FEATURES = (
             ranks_only=("--moe-a2a-overlap-degree", "3")),
     Feature("a2a-2d", "the 2-D (hierarchical) all-to-all, 2 ranks a node", ranks_only=("--moe-a2a-local-size", "2"),
             min_ranks=4, even_ranks=True),
+    Feature("per-layer", "each MoE layer its own expert count (--moe-expert-count E,2E), each spread over the ranks",
+            flags=("--moe-expert-count", "{E},{E2}")),
     Feature("zero", "--zero-sharding os: the dense optimizer state cut over the ranks",
             ranks_only=("--zero-sharding", "os")),
     Feature("fsdp", "--ddp-backend fully_sharded: the dense parameters cut over the ranks",
@@ -259,7 +261,9 @@ def commands(args, feature, data, folder):
     """([(name, command, environment additions[, "dies": a run whose rank is to be killed])] of the feature's runs,
     in order; (the reference run, the run compared with it)), each run saving into folder/NAME."""
     W, cpu = args.nproc, args.device == "cpu"
-    common = (*EXACT, "--moe-expert-count", str(experts(W)), *feature.flags)
+    E = experts(W)
+    common = (*EXACT, "--moe-expert-count", str(E),
+              *(f.replace("{E2}", str(2 * E)).replace("{E}", str(E)) for f in feature.flags))
     lm = feature.kind == "eval-lm"
     corpus = data["lm" if lm else "translation"]
     train = lambda name, *extra: (lm_train_argv if lm else train_argv)(  # noqa: E731

@@ -33,6 +33,7 @@ from .errors import CheckpointError, FlagError
 from fairseq_moe_layer.config import ACTIVATIONS
 from .checkpoints.new_files import write_new
 from .checkpoints.command import PROG, new_checkpoint, parser, run, safe_globals
+from .checkpoints.fits import expert_counts
 from .checkpoints.state import moe_checkpoint, section
 
 # dense model -> (MoE model, its sides) (the tasks and criteria: checkpoints/state.py)
@@ -106,8 +107,13 @@ def router_weights(experts, model_dim, router, generator):
 
 def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, top_k=2, top1_weight="prob",
             router="random", noise=0.0, seed=1):
-    """Write OUT from DENSE (see the module's doc); returns {MoE layer: E}."""
-    if experts < 1 or top_k < 1 or top_k > experts:
+    """Write OUT from DENSE (see the module's doc); returns {MoE layer: E}. experts: one count for every MoE layer,
+    or one per MoE layer (a list, or "4,8": encoder layers first)."""
+    try:
+        counts = expert_counts(experts)
+    except ValueError as e:
+        raise FlagError(f"--experts {e}") from None
+    if min(counts) < 1 or top_k < 1 or top_k > min(counts):
         raise FlagError(f"--experts {experts} and --top-k {top_k}: need 1 <= k <= E")
     if min(moe_freq, encoder_moe_freq, decoder_moe_freq) < 0:
         raise FlagError("--moe-freq, --encoder-moe-freq and --decoder-moe-freq must be >= 0")
@@ -121,35 +127,44 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
     layers = {side: sorted({int(m["i"]) for m in map(_FFN.match, weights) if m and m["side"] == side})
               for side in sides}
     generator = torch.Generator().manual_seed(seed)
-    done = {}
+    chosen = []
     for side in sides:
         freq = {"encoder": encoder_moe_freq, "decoder": decoder_moe_freq}[side]
         count = len(layers[side])
         if layers[side] != list(range(count)):
             raise CheckpointError(f"{src}: the FFNs of its {side} are layers {layers[side]}, not 0..{count - 1}")
-        for i in chosen_layers(count, side, moe_freq, freq):
-            p = f"{side}.layers.{i}."
-            try:
-                fc = [weights.pop(p + k) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
-            except KeyError as e:
-                raise CheckpointError(f"{src}: layer {p[:-1]} has no {e.args[0]} (an FFN without biases?)") from None
-            for key, t in expert_copies(*fc, experts, noise, generator).items():
-                weights[f"{p}fc1.moe.experts.{key}"] = t
-            weights[f"{p}fc1.moe.gate.weight"] = router_weights(experts, fc[0].shape[1], router, generator)
-            done[f"{p}fc1"] = experts
-    if not done:
+        chosen += [(side, i) for i in chosen_layers(count, side, moe_freq, freq)]
+    if not chosen:
         flags = ", ".join(f"--{s}-moe-freq" for s in sides)
         raise FlagError(f"--moe-freq {moe_freq} ({flags}) chooses none of the FFN layers of {src} "
                         f"({', '.join(f'{len(layers[s])} {s} layers' for s in sides)})")
+    if len(counts) == 1:
+        counts = counts * len(chosen)
+    elif len(counts) != len(chosen):
+        raise FlagError(f"--experts {experts} gives {len(counts)} counts for {len(chosen)} MoE layers "
+                        f"({', '.join(f'{s} {i}' for s, i in chosen)}): give one count, or one per MoE layer, "
+                        f"encoder layers first")
+    done = {}
+    for (side, i), E in zip(chosen, counts):
+        p = f"{side}.layers.{i}."
+        try:
+            fc = [weights.pop(p + k) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+        except KeyError as e:
+            raise CheckpointError(f"{src}: layer {p[:-1]} has no {e.args[0]} (an FFN without biases?)") from None
+        for key, t in expert_copies(*fc, E, noise, generator).items():
+            weights[f"{p}fc1.moe.experts.{key}"] = t
+        weights[f"{p}fc1.moe.gate.weight"] = router_weights(E, fc[0].shape[1], router, generator)
+        done[f"{p}fc1"] = E
 
     moe_name = MODELS[name][0]
-    model_cfg.update(_name=moe_name, arch=moe_name, moe_expert_count=experts, moe_freq=moe_freq,
+    flag = counts[0] if len(set(counts)) == 1 else ",".join(map(str, counts))  # (--moe-expert-count's value)
+    model_cfg.update(_name=moe_name, arch=moe_name, moe_expert_count=flag, moe_freq=moe_freq,
                      decoder_moe_freq=decoder_moe_freq, moe_top_k=top_k, moe_top1_expert=False,
                      moe_top1_weight=top1_weight, moe_gate="linear", moe_eval_capacity_token_fraction=0.0)
     if "encoder" in sides:
         model_cfg["encoder_moe_freq"] = encoder_moe_freq
     upcycled = moe_checkpoint(state, weights, model_cfg, src, {
-        "what": f"upcycled from the dense {os.path.abspath(src)}", "experts": experts, "layers": sorted(done),
+        "what": f"upcycled from the dense {os.path.abspath(src)}", "experts": flag, "layers": sorted(done),
         "router": router, "noise": noise, "seed": seed})
     write_new(out, lambda save: save(upcycled, out))
     return done
@@ -159,7 +174,8 @@ def main(argv=None):
     p = parser(PROG.format("upcycle"), __doc__, epilog="See the module's documentation (python -m pydoc fairseq_moe.upcycle).")
     p.add_argument("dense", help="checkpoint of a fairseq transformer or transformer_lm (DENSE.pt)")
     p.add_argument("output", help="the MoE checkpoint to write (OUT.pt, never overwritten)")
-    p.add_argument("--experts", type=int, required=True, metavar="E", help="experts per MoE layer")
+    p.add_argument("--experts", required=True, metavar="E[,E...]",
+                   help="experts per MoE layer: one count, or one per MoE layer (encoder layers first)")
     p.add_argument("--moe-freq", type=int, default=2, metavar="N", help="every N-th layer becomes MoE (default 2)")
     p.add_argument("--encoder-moe-freq", type=int, default=0, metavar="N", help="the encoder's own N (0: --moe-freq)")
     p.add_argument("--decoder-moe-freq", type=int, default=0, metavar="N", help="the decoder's own N (0: --moe-freq)")

@@ -70,12 +70,14 @@ def check_overlap_degree(overlap_degree):
         raise ValueError(f"--moe-a2a-overlap-degree must be an integer >= 1, got {overlap_degree!r}")
 
 
-def expert_parallel(num_experts, local_size=None, overlap_degree=1):
+def expert_parallel(num_experts, local_size=None, overlap_degree=1, lockstep=None):
     """Split num_experts over the default process group, replicating when W > E.
 
     E % W == 0: E/W experts per rank. W % E == 0: one expert per rank, W/E replicas of each.
     local_size (ranks per node, --moe-a2a-local-size): > 1 selects the hierarchical all-to-all.
     overlap_degree (--moe-a2a-overlap-degree): > 1 overlaps the flat all-to-alls with expert compute.
+    lockstep: the Lockstep the layers meet in (inference; lockstep.py), where several ExpertParallels share one
+    (default: one of its own, over its group).
     Every rank must call this in the same order (it creates process groups, a collective).
     """
     W, rank = dist.get_world_size(), dist.get_rank()
@@ -87,8 +89,8 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
     group = _my_group([list(range(b, b + P)) for b in blocks], rank)
     replica_group = _my_group([list(range(i, W, P)) for i in range(P)], rank) if replicas > 1 else None
     L = local_size or 1
-    if L < 1 or P % L:
-        raise ValueError(f"--moe-a2a-local-size {L} must divide the expert-parallel size {P}")
+    if L < 1 or (P % L and L % P):  # (a node of several whole EP groups: each group's all-to-all is within it)
+        raise ValueError(f"--moe-a2a-local-size {L} must divide the expert-parallel size {P}, or be a multiple of it")
     local_group = node_group = None
     if 1 < L < P:  # inside each block: nodes of L consecutive ranks, and the ranks sharing a local index
         local_group = _my_group([list(range(b + n * L, b + (n + 1) * L)) for b in blocks for n in range(P // L)], rank)
@@ -99,7 +101,7 @@ def expert_parallel(num_experts, local_size=None, overlap_degree=1):
         raise ValueError("--moe-a2a-overlap-degree > 1 works with the flat all-to-all only; "
                          f"drop it or set --moe-a2a-local-size 1 (got {L})")
     return ExpertParallel(group, P, rank % P, num_experts // P, replicas, replica_group,
-                          local_group, node_group, L, overlap_degree)
+                          local_group, node_group, L, overlap_degree, lockstep)
 
 
 def _my_group(rank_lists, rank):

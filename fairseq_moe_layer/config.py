@@ -35,8 +35,9 @@ class LayerSettings:
                              type=int, ge=1, cli=False)
     ffn_dim: int = setting(dataclasses.MISSING, "hidden size f of each expert", "--moe-expert-ffn-dim", type=int,
                            ge=1, cli=False)
-    num_experts: int = setting(8, "experts per MoE layer (tiny archs: 4)", "--moe-expert-count", ge=1,
-                               metavar="E")
+    num_experts: int = setting(8, "experts per MoE layer (tiny archs: 4); the fairseq flag also takes a "
+                                  "comma-separated list, one count per MoE layer, encoder layers first",
+                               "--moe-expert-count", ge=1, metavar="E[,E...]")
     top_k: int = setting(2, "experts per token (1 = Switch, 2 = GShard)", "--moe-top-k", ge=1, cli=False)
     capacity_factor: float = setting(
         1.0, "training capacity per expert = ceil(CF * k * T / E) (see --moe-capacity-rounding); 0 = dropless",
@@ -94,6 +95,10 @@ class LayerSettings:
         0, "always-on experts beside the routed ones, summed into every token's output (DeepSeekMoE); plain "
            "parameters, replicated (data parallel) when the routed experts are spread", "--moe-shared-expert-count",
         ge=0, metavar="N")
+    frozen_experts: int = setting(
+        0, "the first N experts and their router rows do not train: their gradients are zeroed (a grown model's "
+           "old experts: fairseq_moe.grow --freeze-old); the fairseq flag also takes one count per MoE layer",
+        "--moe-frozen-experts", ge=0, metavar="N[,N...]")
 
     cmr: bool = setting(
         False, "NLLB-MoE's conditional MoE routing: the one shared expert (a dense FFN) and the routed experts mixed "
@@ -119,6 +124,10 @@ class LayerSettings:
                 f"--moe-top-k (top_k={self.top_k}) must not exceed --moe-expert-count "
                 f"(num_experts={self.num_experts})"
             )
+        if self.frozen_experts > self.num_experts:
+            bad("frozen_experts", f"must be at most --moe-expert-count {self.num_experts}")
+        if self.frozen_experts and self.gate != "linear":
+            bad("frozen_experts", f"freezes a linear gate's rows (here --moe-gate {self.gate})")
         if self.eval_top_k is not None and self.eval_top_k > self.num_experts:
             bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")
         if self.gate_noise == "jitter" and self.gate_noise_scale >= 1:

@@ -59,6 +59,12 @@ class MoELayer(nn.Module):
             self._lockstep_index = ep.lockstep.add(self)
             for p in self.experts.parameters():
                 p.register_hook(partial(expert_grad_hook, ep=ep, normalization=cfg.expert_grad_normalization))
+        if cfg.frozen_experts:  # (experts 0 .. N - 1: the rows of them this rank holds, and their router rows)
+            mine = max(0, min(self.experts.num_experts, cfg.frozen_experts - first))
+            for p in self.experts.parameters() if mine else ():
+                p.register_hook(partial(_zero_rows, rows=mine))
+            if self.gate is not None:
+                self.gate.weight.register_hook(partial(_zero_rows, rows=cfg.frozen_experts))
 
     def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None, token_ids=None):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
@@ -223,6 +229,13 @@ class MoELayer(nn.Module):
             shazeer=None if r.top_experts is None else ShazeerInputs(
                 r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else ())),
         )
+
+
+def _zero_rows(grad, rows):
+    """A gradient with its first `rows` rows zeroed (--moe-frozen-experts)."""
+    grad = grad.clone()
+    grad[:rows] = 0
+    return grad
 
 
 def _kept_positions(padding_mask):

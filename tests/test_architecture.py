@@ -24,8 +24,7 @@ FLOORS = [
     ("commands", {"fairseq_moe"}, True),  # __init__ (the door, load_plugin) and python -m fairseq_moe.NAME
 ]
 # A command built on another (docs/architecture.md, "How to add a command"): at most three.
-BUILT_ON = {("fairseq_moe.consolidate", "fairseq_moe.reshard"), ("fairseq_moe.prune", "fairseq_moe.inspect"),
-            ("fairseq_moe.inspect", "fairseq_moe.plot")}
+BUILT_ON = {("fairseq_moe.consolidate", "fairseq_moe.reshard"), ("fairseq_moe.inspect", "fairseq_moe.plot")}
 
 
 def modules(root):
@@ -229,6 +228,7 @@ TESTED_IN = {
     "fairseq_moe/checkpoints/state.py": "the commands' tests (test_upcycle, test_prune, test_convert_moe_branch)",
     "fairseq_moe/checkpoints/new_files.py": "tests/fairseq_moe/checkpoints/test_command_input.py (nothing written)",
     "fairseq_moe/models/moe_ffn.py": "tests/fairseq_moe/models/test_moe_transformer*.py (the layers it builds)",
+    "fairseq_moe/models/expert_use.py": "tests/fairseq_moe/test_prune.py (the routed weight, recomputed token by token)",
     "fairseq_moe/tasks/moe_language_modeling.py": "tests/fairseq_moe/models/test_moe_transformer_lm.py",
     "fairseq_moe/tasks/moe_translation.py": "tests/fairseq_moe/models/test_moe_transformer.py",
     "fairseq_moe/criterions/moe_cross_entropy.py": "tests/fairseq_moe/criterions/test_moe_loss.py",

@@ -17,7 +17,10 @@ End to end, it
   5. draws each expert's share of the routed weight per direction and MoE layer (``inspect --by-lang-pair``:
      do the experts specialise?) and the training curves;
   6. prunes the MoE model for each direction (``fairseq_moe.prune``: the experts that direction's valid books
-     use most) at --prune-keep fractions, and scores and sizes each pruned checkpoint on that direction.
+     use most) at --prune-keep fractions, the same for every layer, and with each of --prune-per-layer (each
+     layer or side its own keep), and scores and sizes each pruned checkpoint on that direction;
+  7. with --distill: distils the MoE model into a dense student the size of the dense model (``--criterion
+     moe_distillation``, word-level KD, the same budget and seed as the dense model), and scores it.
 
 About 45-55 minutes by default on 2 CPU cores. Everything lands in --workdir/runs/multilingual: results.json,
 the pictures, the logs.
@@ -60,6 +63,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1, help="training seed (both models)")
     p.add_argument("--prune-keep", default="0.5,0.25,0.125",
                    help="fractions of the experts the pruned checkpoints keep ('' for none)")
+    p.add_argument("--prune-per-layer", default="--keep encoder=1,decoder=0.5;--keep encoder=1,decoder=0.25;"
+                                                 "--keep encoder=0.75,decoder=0.5;--keep-mass 0.9",
+                   help="';'-separated prune settings of per-layer (or per-side) keeps, each as fairseq_moe.prune "
+                        "takes it ('' for none)")
+    p.add_argument("--distill", action="store_true", help="also distil the MoE model into a dense student of the "
+                                                          "dense model's size and budget")
+    p.add_argument("--kd-alpha", type=float, default=0.5, help="--distill: the weight of the distillation term")
+    p.add_argument("--kd-topk", type=int, default=8, help="--distill: the teacher's most likely tokens kept")
     p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
     p.add_argument("--test-lines", type=int, default=0, help="keep only the first N test verses of each "
                                                                "direction (0: all; a quick try, a corpus of its own)")
@@ -78,6 +89,9 @@ def parse_args(argv=None):
         p.error(f"--prune-keep {a.prune_keep}: fractions, comma-separated")
     if any(not 0 < k < 1 for k in a.prune_keep):
         p.error("--prune-keep: fractions in (0, 1)")
+    a.prune_per_layer = [s.split() for s in a.prune_per_layer.split(";") if s.strip()]
+    if any(len(s) != 2 or s[0] not in ("--keep", "--keep-mass", "--keep-count") for s in a.prune_per_layer):
+        p.error("--prune-per-layer: settings like '--keep encoder=1,decoder=0.5;--keep-mass 0.9'")
     a.expert_ffn_dim = max(1, DENSE_FFN_DIM // a.top_k)
     a.warmup_updates = max(1, min(4000, a.max_update // 5))
     a.workdir = a.workdir.resolve()
@@ -150,7 +164,7 @@ def binarize(bpe_dir, a, threads):
     return data_bin
 
 
-def train_cmd(a, data_bin, save_dir, moe, stats_file=None):
+def train_cmd(a, data_bin, save_dir, moe, stats_file=None, teacher=None):
     shape = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "128",
              "--decoder-embed-dim", "128", "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
              "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
@@ -161,6 +175,10 @@ def train_cmd(a, data_bin, save_dir, moe, stats_file=None):
                  "--moe-expert-ffn-dim", str(a.expert_ffn_dim), "--moe-capacity-factor", "1.25",
                  "--moe-eval-capacity-token-fraction", "0", "--moe-gate-loss-wt", "0.01",
                  "--moe-stats-file", str(stats_file), "--moe-stats-interval", str(a.log_interval)]
+    elif teacher is not None:  # the dense model's shape, distilled from the teacher's word distributions
+        model = ["--user-dir", str(PLUGIN_DIR), "--arch", "transformer", *shape, "--criterion", "moe_distillation",
+                 "--label-smoothing", "0.1", "--kd-teacher", str(teacher), "--kd-alpha", str(a.kd_alpha),
+                 "--kd-topk", str(a.kd_topk)]
     else:
         model = ["--arch", "transformer", *shape, "--criterion", "label_smoothed_cross_entropy",
                  "--label-smoothing", "0.1"]
@@ -232,10 +250,12 @@ def run(a):
                "budget": {"max_update": a.max_update, "max_tokens": a.max_tokens, "lr": a.lr, "seed": a.seed,
                           "warmup_updates": a.warmup_updates},
                "moe": {"experts": a.experts, "top_k": a.top_k, "expert_ffn_dim": a.expert_ffn_dim}, "models": {}}
-    models = [("moe", True)] + ([] if a.skip_dense else [("dense", False)])
+    models = [("moe", True)] + ([] if a.skip_dense else [("dense", False)]) + ([("distilled", False)] if a.distill
+                                                                                else [])
     for name, moe in models:
         print(f"\n===== training the {name} model ({', '.join(pairs(a))}) =====", flush=True)
-        checkpoint, seconds, cpu = pipeline.train(train_cmd(a, data_bin, run_dir / name, moe, stats_file),
+        teacher = results["models"]["moe"]["checkpoint"] if name == "distilled" else None
+        checkpoint, seconds, cpu = pipeline.train(train_cmd(a, data_bin, run_dir / name, moe, stats_file, teacher),
                                                   run_dir / name)
         row = {"params": pipeline.count_params(run_dir / name / "train.log"), "train_seconds": round(seconds, 1),
                "train_cpu_seconds": round(cpu, 1), "checkpoint": str(checkpoint),
@@ -274,6 +294,18 @@ def run(a):
             row["kept"] = experts_of(pruned)
             row["weights_mb"] = weights_mb(pruned)
             results["pruned"][f"{pair} keep {keep}"] = row
+        for setting in a.prune_per_layer:
+            print(f"\n===== pruned for {pair}: {' '.join(setting)} =====", flush=True)
+            out_dir = run_dir / "pruned" / f"{pair}{setting[0][6:]}-{setting[1].replace(',', '-').replace('=', '')}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            pruned = out_dir / "pruned.pt"
+            pruned.unlink(missing_ok=True)
+            pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
+                                 str(data_bin), "--lang-pairs", pair, *setting], out_dir / "prune.log")
+            row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
+            row["kept"] = experts_of(pruned)
+            row["weights_mb"] = weights_mb(pruned)
+            results["pruned"][f"{pair} {' '.join(setting)}"] = row
 
     results["wall_seconds"] = round(time.time() - wall_start, 1)
     pipeline.write_json(run_dir / "results.json", results)
@@ -296,6 +328,10 @@ def print_tables(a, results):
             for keep in a.prune_keep:
                 r = results["pruned"][f"{pair} keep {keep}"]
                 print(f"| {pair} | {r['kept']} ({keep}) | "
+                      f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['weights_mb']} |")
+            for setting in a.prune_per_layer:
+                r = results["pruned"][f"{pair} {' '.join(setting)}"]
+                print(f"| {pair} | {r['kept']} (`{' '.join(setting)}`) | "
                       f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['weights_mb']} |")
 
 

@@ -13,6 +13,27 @@ from fairseq_moe_layer.options import dest_of, flag_of, settings
 logger = logging.getLogger(__name__)
 
 
+def expert_counts(value):
+    """--moe-expert-count's value (one count: an int or "8"; one per MoE layer: "4,8,4,8" or a list) -> [int];
+    ValueError where it is neither."""
+    items = value if isinstance(value, (list, tuple)) else str(value).strip().strip("[]").split(",")
+    try:
+        counts = [int(str(c).strip()) for c in items]
+    except ValueError:
+        raise ValueError(f"{value!r} is not a count nor a comma-separated list of counts") from None
+    if not counts:
+        raise ValueError(f"{value!r} is not a count nor a comma-separated list of counts")
+    return counts
+
+
+def expert_count_flag(experts):
+    """--moe-expert-count's value for {expert parameter name: E} (in the model's order): one count, or one per MoE
+    layer (encoder layers first) where they differ."""
+    per_layer = list(dict.fromkeys((name.rsplit(".", 2)[0], E) for name, E in experts.items()))
+    counts = [E for _, E in per_layer]
+    return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+
+
 def check_expert_layout(saved, model, path):
     """saved, model: {expert parameter name: E}. A checkpoint of other MoE layers or expert counts is
     refused here, with the flags to change, before any rank cuts out its experts."""
@@ -21,8 +42,9 @@ def check_expert_layout(saved, model, path):
     for name in sorted(set(saved) & set(model)):
         if saved[name] != model[name]:
             raise CheckpointError(f"{path} was saved with {saved[name]} experts in {name.rsplit('.', 2)[0]}; this "
-                                  f"model has {model[name]} (--moe-expert-count {model[name]}). Resume with "
-                                  f"--moe-expert-count {saved[name]}, or train into another --save-dir")
+                                  f"model has {model[name]} (--moe-expert-count {expert_count_flag(model)}). Resume "
+                                  f"with --moe-expert-count {expert_count_flag(saved)}, or train into another "
+                                  f"--save-dir")
     layers, mine = (sorted({n.rsplit(".", 2)[0] for n in names}) for names in (saved, model))
     raise CheckpointError(f"{path} has MoE layers {layers}; this model has {mine} (--moe-freq, "
                           f"--encoder/decoder-moe-freq and the layer counts must match the saved run's)")
@@ -104,6 +126,9 @@ def _flag_values(model_cfg):
     get = (lambda k: getattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else model_cfg.get
     has = (lambda k: hasattr(model_cfg, k)) if isinstance(model_cfg, argparse.Namespace) else (lambda k: k in model_cfg)
     values = {k: get(k) for k in (LAYER_FLAGS | STRUCTURAL) - EXECUTION if has(k)}
+    if values.get("moe_expert_count") is not None:  # (one count, or one per MoE layer: equal counts are that count)
+        counts = expert_counts(values["moe_expert_count"])
+        values["moe_expert_count"] = counts[0] if len(set(counts)) == 1 else ",".join(map(str, counts))
     if values.pop("moe_top1_expert", False):
         values["moe_top_k"] = 1
     elif values.get("moe_top_k", 0) is None:
@@ -129,7 +154,7 @@ def flag_changes(saved_model_cfg, model_cfg):
         return {}
     try:
         (a, sides_a), (b, sides_b) = _flag_values(saved_model_cfg), _flag_values(model_cfg)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, ValueError):
         return {}
     changes = {k: (a[k], b[k]) for k in set(a) & set(b) - _PLACEMENT if a[k] != b[k]}
     for side in (s for s in sides_a if s in sides_b):

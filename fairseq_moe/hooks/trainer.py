@@ -398,20 +398,20 @@ def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
     # rank files are memory-mapped: only these rows are read), whatever the world size that saved them.
     W, rank = dist.get_world_size(), dist.get_rank()
 
-    def local(E):
+    def local(name, E):
         try:
             return local_experts(E, W, rank)
-        except ValueError as e:  # E and W do not fit: names both
-            raise FlagError(str(e)) from None
+        except ValueError as e:  # E and W do not fit: names both, and the layer
+            raise FlagError(f"{e} ({name.rsplit('.', 2)[0]} of {path})") from None
 
     state = load_found(found, arg_overrides, want=lambda experts: {
-        n: (first, first + count) for n, E in experts.items() for first, count in [local(E)]}, mmap=True,
+        n: (first, first + count) for n, E in experts.items() for first, count in [local(n, E)]}, mmap=True,
         optimizer=False)
     if found[0] == "set":
         return state
     full = {n: t.shape[0] for n, t in state["model"].items() if EXPERT_TENSOR.search(n)}  # a file: every expert
     with shards.laid_out(path):
-        return shards.cut_for_rank(state, {n: (*local(E), E) for n, E in full.items()})
+        return shards.cut_for_rank(state, {n: (*local(n, E), E) for n, E in full.items()})
 
 
 def models_by_set_name(load):

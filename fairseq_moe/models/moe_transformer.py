@@ -4,6 +4,7 @@ Flags follow fairseq's moe branch where it has them. Layer i (0-based) of a side
 freq > 0 and (i + 1) % freq == 0, freq being --encoder-moe-freq / --decoder-moe-freq or else
 --moe-freq (the moe branch's rule).
 """
+import argparse
 import dataclasses
 import logging
 import os
@@ -23,10 +24,12 @@ from omegaconf import OmegaConf
 from fairseq_moe_kernels import backend as kernel_backend
 
 from .. import refusals
+from ..checkpoints.fits import expert_counts
 from ..errors import FlagError
 from fairseq_moe_layer import MoEConfig
 from fairseq_moe_layer.options import describe, dest_of, flag_of, full_help, settings
-from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel
+from fairseq_moe_layer.comm import check_overlap_degree, expert_parallel, expert_parallel_size
+from fairseq_moe_layer.lockstep import Lockstep
 from .moe_ffn import MoEDecoderLayer, MoEEncoderLayer, moe_blocks, token_ids
 
 logger = logging.getLogger(__name__)
@@ -93,12 +96,59 @@ def add_layer_args(parser):
                                     help=f"the opposite of {flag_of(f)}")
             continue
         choices = None if m["choices"] is None else sorted(m["choices"])
-        parser.add_argument(flag_of(f), type=m["type"], choices=choices, metavar=None if choices else m["metavar"],
+        kind = expert_count_flag if f.name in PER_LAYER else m["type"]
+        parser.add_argument(flag_of(f), type=kind, choices=choices, metavar=None if choices else m["metavar"],
                             help=f"{full_help(f)} (default {describe(f)})")
 
 
-def moe_config(args, side):
-    """The MoEConfig of one side ('encoder' or 'decoder') from the parsed flags."""
+PER_LAYER = {"num_experts": "moe_expert_count", "frozen_experts": "moe_frozen_experts"}  # (MoEConfig field: dest)
+
+
+def expert_count_flag(text):
+    """--moe-expert-count's (and --moe-frozen-experts') value: one count (an int) or one per MoE layer (the list as
+    the canonical string "4,8,4,8": a string keeps the saved config plain data)."""
+    try:
+        counts = expert_counts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return counts[0] if len(counts) == 1 else ",".join(map(str, counts))
+
+
+def layer_expert_counts(args, sides=("encoder", "decoder"), dest="moe_expert_count"):
+    """{side: [E of each MoE layer]} from --moe-expert-count (one count for every MoE layer, or one per MoE layer:
+    encoder layers first), args carrying the layer ids (moe_{side}_layer_ids); dest: another flag of that form."""
+    value = getattr(args, dest)
+    flag = "--" + dest.replace("_", "-")
+    ids = {side: list(getattr(args, f"moe_{side}_layer_ids", []) or []) for side in sides}
+    total = sum(map(len, ids.values()))
+    try:
+        counts = all_counts = expert_counts(value)
+    except ValueError as e:
+        raise FlagError(f"{flag} {e}") from None
+    if len(counts) == 1:
+        counts = counts * total
+    before = {side: moe_layer_ids(args, side, kept=False) for side in sides}
+    if len(counts) != total and len(counts) == sum(map(len, before.values())):
+        # One per MoE layer of the model as trained, some dropped by --{side}-layers-to-keep: the counts of the kept.
+        counts, start = [], 0
+        for side in sides:
+            keep = getattr(args, f"{side}_layers_to_keep", None)
+            left = set(int(i) for i in keep.split(",")) if keep else None
+            counts += [c for i, c in zip(before[side], all_counts[start:]) if left is None or i in left]
+            start += len(before[side])
+    if len(counts) != total:
+        where = ", ".join(f"{side} {layers}" for side, layers in ids.items() if layers)
+        raise FlagError(f"{flag} {value} gives {len(counts)} counts for {total} MoE layers ({where}): "
+                        f"give one count, or one per MoE layer, encoder layers first")
+    out, start = {}, 0
+    for side, layers in ids.items():
+        out[side], start = counts[start:start + len(layers)], start + len(layers)
+    return out
+
+
+def moe_config(args, side, num_experts=None, frozen_experts=None):
+    """The MoEConfig of one side ('encoder' or 'decoder') from the parsed flags; num_experts, frozen_experts: that MoE
+    layer's (layer_expert_counts), where --moe-expert-count, --moe-frozen-experts give one per layer."""
     top_k = args.moe_top_k
     if args.moe_top1_expert:
         if top_k not in (None, 1):
@@ -113,7 +163,9 @@ def moe_config(args, side):
         top_k=D.top_k if top_k is None else top_k,
         activation=getattr(args, "activation_fn", "relu"),
         activation_dropout=getattr(args, "activation_dropout", 0.0) or getattr(args, "relu_dropout", 0.0),
-        **{name: getattr(args, flag) for flag, name in LAYER_FLAGS.items()})
+        **{name: getattr(args, flag) for flag, name in LAYER_FLAGS.items() if name not in PER_LAYER},
+        num_experts=args.moe_expert_count if num_experts is None else num_experts,
+        frozen_experts=(getattr(args, "moe_frozen_experts", 0) or 0) if frozen_experts is None else frozen_experts)
     if cfg.capacity_counts_padding and not getattr(args, "use_moe_pad_mask", False):
         raise FlagError("--moe-capacity-counts-padding needs --use-moe-pad-mask (without it the padding is routed "
                         "like a token, and counted as one already)")
@@ -125,32 +177,54 @@ def moe_config(args, side):
         raise FlagError(str(e)) from None
 
 
-def moe_layer_ids(args, side):
-    """Indices of the MoE layers of a side."""
+def moe_layer_ids(args, side, kept=True):
+    """Indices of the MoE layers of a side (kept=False: before --{side}-layers-to-keep drops and renumbers them)."""
     freq = getattr(args, f"{side}_moe_freq") or args.moe_freq
     if freq is None or freq < 0:
         raise FlagError(f"--{side}-moe-freq / --moe-freq must be >= 0, got {freq}")
     layers = getattr(args, f"{side}_layers")
     ids = [i for i in range(layers) if freq and (i + 1) % freq == 0]
     keep = getattr(args, f"{side}_layers_to_keep", None)
-    if keep:  # fairseq builds only these layers (LayerDrop pruning), renumbered 0, 1, ...
+    if keep and kept:  # fairseq builds only these layers (LayerDrop pruning), renumbered 0, 1, ...
         ids = [new for new, old in enumerate(sorted(int(i) for i in keep.split(","))) if old in ids]
     return ids
 
 
 def build_expert_parallel(args):
-    """Spread the experts over the ranks when there are several (None on one process)."""
+    """Spread the experts over the ranks when there are several: {E: ExpertParallel} for each expert count of the
+    model's MoE layers (args.moe_layer_experts), made in the same order on every rank; layers of counts with the same
+    expert-parallel size share its process groups, and all share one Lockstep (inference: the ranks meet before every
+    MoE layer's all-to-alls, whichever its groups). None on one process."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     local = args.moe_a2a_local_size or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    try:
-        ep = expert_parallel(args.moe_expert_count, local_size=local, overlap_degree=args.moe_a2a_overlap_degree)
-    except ValueError as e:  # names the flags (expert count, world size, all-to-all layout)
-        raise FlagError(str(e)) from None
-    logger.info("expert parallel: %d experts per rank on %d ranks, %d replica(s), %s all-to-all",
-                ep.num_local_experts, ep.size, ep.replicas,
-                f"hierarchical {ep.size // ep.local_size}x{ep.local_size}" if ep.local_size > 1 else "flat")
-    return ep
+    counts = sorted({E for layers in args.moe_layer_experts.values() for E in layers})
+    sizes = {}
+    for E in counts:
+        try:
+            sizes[E] = expert_parallel_size(E, dist.get_world_size())
+        except ValueError as e:  # names the flags (expert count, world size)
+            layers = [f"{side} layer {i}" for side, ids in (("encoder", args.moe_encoder_layer_ids),
+                                                            ("decoder", args.moe_decoder_layer_ids))
+                      for i, n in zip(ids, args.moe_layer_experts.get(side, [])) if n == E]
+            raise FlagError(str(e) + (f" ({', '.join(layers)})" if len(counts) > 1 else "")) from None
+    # Layers of several expert-parallel sizes: one Lockstep for all, over every rank (each EP group is a part of them).
+    shared = Lockstep(None) if len(set(sizes.values())) > 1 else None
+    out, by_size = {}, {}
+    for E in counts:
+        P = sizes[E]
+        try:
+            ep = dataclasses.replace(by_size[P], num_local_experts=E // P) if P in by_size else expert_parallel(
+                E, local_size=local, overlap_degree=args.moe_a2a_overlap_degree, lockstep=shared)
+        except ValueError as e:  # names the flags (all-to-all layout)
+            raise FlagError(str(e)) from None
+        by_size.setdefault(P, ep)
+        out[E] = ep
+        logger.info("expert parallel: %d experts per rank on %d ranks, %d replica(s), %s all-to-all%s",
+                    ep.num_local_experts, ep.size, ep.replicas,
+                    f"hierarchical {ep.size // ep.local_size}x{ep.local_size}" if ep.local_size > 1 else "flat",
+                    f" (the layers of {E} experts)" if len(counts) > 1 else "")
+    return out
 
 
 def _wrap(layer, cfg):
@@ -209,8 +283,8 @@ class MoETransformerEncoder(TransformerEncoderBase):
         index = self._built = getattr(self, "_built", -1) + 1
         if index not in cfg.moe_encoder_layer_ids:
             return super().build_encoder_layer(cfg)
-        return _wrap(MoEEncoderLayer(cfg, moe_config(cfg, "encoder"), cfg.moe_ep, cfg.use_moe_pad_mask,
-                                     return_fc=self.return_fc), cfg)
+        moe, ep = layer_settings(cfg, "encoder", index)
+        return _wrap(MoEEncoderLayer(cfg, moe, ep, cfg.use_moe_pad_mask, return_fc=self.return_fc), cfg)
 
 
 class MoETransformerDecoder(TransformerDecoderBase):
@@ -226,8 +300,15 @@ class MoETransformerDecoder(TransformerDecoderBase):
         index = self._built = getattr(self, "_built", -1) + 1
         if index not in cfg.moe_decoder_layer_ids:
             return super().build_decoder_layer(cfg, no_encoder_attn)
-        return _wrap(MoEDecoderLayer(cfg, moe_config(cfg, "decoder"), cfg.moe_ep, cfg.use_moe_pad_mask,
-                                     no_encoder_attn=no_encoder_attn), cfg)
+        moe, ep = layer_settings(cfg, "decoder", index)
+        return _wrap(MoEDecoderLayer(cfg, moe, ep, cfg.use_moe_pad_mask, no_encoder_attn=no_encoder_attn), cfg)
+
+
+def layer_settings(cfg, side, index):
+    """(MoEConfig, ExpertParallel or None) of MoE layer `index` of a side: its own expert count."""
+    i = list(cfg.moe_encoder_layer_ids if side == "encoder" else cfg.moe_decoder_layer_ids).index(index)
+    E = cfg.moe_layer_experts[side][i]
+    return moe_config(cfg, side, E, cfg.moe_layer_frozen[side][i]), None if cfg.moe_ep is None else cfg.moe_ep[E]
 
 
 def prepare_moe_build(args, sides):
@@ -252,13 +333,15 @@ def prepare_moe_build(args, sides):
         check_overlap_degree(args.moe_a2a_overlap_degree)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    configs = [moe_config(args, side) for side in sides if getattr(args, f"moe_{side}_layer_ids")]
-    frac, k = args.moe_eval_capacity_token_fraction, configs[0].top_k
-    if 0 < frac < k / args.moe_expert_count:
+    args.moe_layer_experts = layer_expert_counts(args, sides)
+    args.moe_layer_frozen = layer_expert_counts(args, sides, "moe_frozen_experts")
+    configs = [moe_config(args, side, E, N) for side in sides
+               for E, N in zip(args.moe_layer_experts[side], args.moe_layer_frozen[side])]
+    frac, k, fewest = args.moe_eval_capacity_token_fraction, configs[0].top_k, min(c.num_experts for c in configs)
+    if 0 < frac < k / fewest:
         logger.warning("--moe-eval-capacity-token-fraction %s is below k / E = %d / %d: every expert can take fewer "
                        "tokens than its fair share at validation and generation, so tokens will be dropped even "
-                       "with a perfectly balanced router (use -1 for the training capacity)", frac, k,
-                       args.moe_expert_count)
+                       "with a perfectly balanced router (use -1 for the training capacity)", frac, k, fewest)
     # Where the model will run: a triton backend that cannot run there fails now, named. (Under
     # fairseq-hydra-train the model's config has no --cpu: then a backend that cannot run fails at
     # the first forward, before any update.)
@@ -285,8 +368,9 @@ class MoEModelMixin:
         # torch DDP (--ddp-backend pytorch_ddp) must not average the experts either.
         self._ddp_params_and_buffers_to_ignore = [n for n, p in self.named_parameters() if getattr(p, "expert", 0)]
         side = "encoder" if args.moe_encoder_layer_ids else "decoder"
-        logger.info("MoE layers: encoder %s, decoder %s; %d experts, %s routing, k=%d", args.moe_encoder_layer_ids,
-                    args.moe_decoder_layer_ids, args.moe_expert_count, args.moe_routing, moe_config(args, side).top_k)
+        k = moe_config(args, side, args.moe_layer_experts[side][0], args.moe_layer_frozen[side][0]).top_k
+        logger.info("MoE layers: encoder %s, decoder %s; %s experts, %s routing, k=%d", args.moe_encoder_layer_ids,
+                    args.moe_decoder_layer_ids, args.moe_expert_count, args.moe_routing, k)
         return self
 
     def forward(self, *args, **kwargs):

@@ -316,3 +316,8 @@ def test_what_nllb_moe_cannot_express_is_refused_by_name(data_bin, trained_check
                          *NLLB_LIKE, "--moe-eval-capacity-token-fraction", "-1"))
     fails(tmp_path / "save2" / "checkpoint_last.pt", tmp_path / "hf", "--moe-eval-capacity-token-fraction -1.0 "
           "takes the training capacity at evaluation")
+    # NllbMoe has one num_experts: a model whose MoE layers have their own counts is refused, by the flag
+    counts = f"{E},{E},{2 * E},{2 * E}"  # (NLLB_LIKE: every layer MoE, two a side)
+    run_train(train_argv(data_bin, tmp_path / "save3", "--max-update", "1", *NLLB_LIKE, "--moe-expert-count", counts))
+    fails(tmp_path / "save3" / "checkpoint_last.pt", tmp_path / "hf", f"--moe-expert-count {counts} gives its MoE "
+          "layers different expert counts")

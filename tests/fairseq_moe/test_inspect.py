@@ -36,6 +36,26 @@ def test_routing_of_every_token(trained_checkpoint, data_bin, tmp_path, capsys):
     assert (out2 / "routing.txt").read_text() == report
 
 
+def test_a_model_whose_layers_have_their_own_expert_counts(data_bin, tmp_path):
+    """--moe-expert-count 2,6: each layer's report and heat map has its own experts; the set it is resharded into (2
+    ranks: the encoder's one expert each, the decoder's three) gives the same report."""
+    from tests.fairseq_moe.helpers import run_train, train_argv
+
+    run_train(train_argv(data_bin, tmp_path / "train", "--max-update", "2", "--moe-expert-count", "2,6"))
+    src = f"{data_bin}/../test.src"
+    out = tmp_path / "out"
+    assert inspect.main([str(tmp_path / "train" / "checkpoint_last.pt"), "--data", data_bin, "--input", src,
+                         "--out", str(out)]) == 0
+    report = (out / "routing.txt").read_text()
+    shares = [int(e) for e in re.findall(r"expert +(\d+) +[\d.]+%", report)]
+    assert sorted(shares) == sorted([0, 1] + list(range(6))), report
+    reshard.main([str(tmp_path / "train" / "checkpoint_last.pt"), str(tmp_path / "set" / "checkpoint.pt"),
+                  "--world-size", "2"])
+    inspect.main([str(tmp_path / "set" / "checkpoint.pt"), "--data", data_bin, "--input", src, "--out",
+                  str(tmp_path / "from-set")])
+    assert (tmp_path / "from-set" / "routing.txt").read_text() == report
+
+
 def test_one_layer_and_bad_input(trained_checkpoint, data_bin, tmp_path, capsys):
     src = f"{data_bin}/../test.src"
     out = tmp_path / "one"

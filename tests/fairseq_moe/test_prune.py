@@ -41,7 +41,7 @@ def test_the_pruned_model_is_the_full_one_with_the_others_logits_at_minus_inf(mu
     out = tmp_path / "pruned.pt"
     assert prune.main([str(full_path), str(out), "--data", data, "--lang-pairs", "en-xx", "--keep", "0.5"]) == 0
     printed = capsys.readouterr().out
-    assert "4 of 8 experts per MoE layer" in printed
+    assert "encoder.layers.1.fc1: 4 of 8, experts" in printed and "decoder.layers.1.fc1: 4 of 8" in printed
     state = torch.load(out, weights_only=True)
     kept = state["extra_state"]["made_by"]["kept"]
     assert state["cfg"]["model"].moe_expert_count == 4 and "last_optimizer_state" not in state
@@ -62,26 +62,71 @@ def test_the_pruned_model_is_the_full_one_with_the_others_logits_at_minus_inf(mu
 
 
 def test_kept_experts_hold_the_most_routed_weight():
-    """choose(): per layer the n heaviest experts; --keep-mass: the fewest holding that share, the largest count
-    of any layer, at least top-k, rounded up to --multiple-of."""
+    """choose(): per layer the n heaviest experts; n from --keep (of that layer's E), --keep-mass (the fewest holding
+    that share) or --keep-count, per layer, at least top-k, rounded up to --multiple-of; --uniform: the largest n of
+    any layer for every layer."""
     mass = {"a": torch.tensor([5.0, 0.0, 3.0, 2.0], dtype=torch.float64),
-            "b": torch.tensor([1.0, 1.0, 1.0, 7.0], dtype=torch.float64)}
-    assert prune.choose(mass, keep=0.5) == (2, {"a": [0, 2], "b": [0, 3]})  # (ties: the lower index)
-    assert prune.choose(mass, keep_mass=0.7) == (2, {"a": [0, 2], "b": [0, 3]})  # a: 0.5, 0.8; b: 0.7
-    assert prune.choose(mass, keep_mass=0.8) == (2, {"a": [0, 2], "b": [0, 3]})
-    assert prune.choose(mass, keep_mass=0.81) == (3, {"a": [0, 2, 3], "b": [0, 1, 3]})
-    assert prune.choose(mass, keep=0.25, top_k=2) == (2, {"a": [0, 2], "b": [0, 3]})
-    assert prune.choose(mass, keep=0.5, multiple_of=4)[0] == 4 and prune.choose(mass, keep=0.5, multiple_of=3)[0] == 3
-    with pytest.raises(ValueError, match="--multiple-of 3: keeping 4 experts per layer"):
-        prune.choose(mass, keep=1.0, multiple_of=3)
+            "b": torch.tensor([1.0, 1.0, 1.0, 7.0, 0.5, 0.5], dtype=torch.float64)}
+    each = lambda v: dict.fromkeys(mass, v)  # noqa: E731
+    assert prune.choose(mass, keep=each(0.5)) == ({"a": 2, "b": 3}, {"a": [0, 2], "b": [0, 1, 3]})  # (ties: lower id)
+    assert prune.choose(mass, keep_mass=each(0.7)) == ({"a": 2, "b": 2}, {"a": [0, 2], "b": [0, 3]})  # a: .5, .8
+    assert prune.choose(mass, keep_mass=each(0.81)) == ({"a": 3, "b": 3}, {"a": [0, 2, 3], "b": [0, 1, 3]})
+    assert prune.choose(mass, keep_mass={"a": 0.5, "b": 1.0}) == ({"a": 2, "b": 6}, {"a": [0, 2],
+                                                                                      "b": [0, 1, 2, 3, 4, 5]})
+    assert prune.choose(mass, keep_mass=each(0.7), uniform=True)[0] == {"a": 2, "b": 2}
+    assert prune.choose(mass, keep=each(0.5), uniform=True) == ({"a": 3, "b": 3}, {"a": [0, 2, 3], "b": [0, 1, 3]})
+    assert prune.choose(mass, keep_count={"a": 4, "b": 1}, top_k=2)[0] == {"a": 4, "b": 2}
+    assert prune.choose(mass, keep=each(0.25), top_k=2)[0] == {"a": 2, "b": 2}
+    assert prune.choose(mass, keep=each(0.5), multiple_of=4)[0] == {"a": 4, "b": 4}
+    with pytest.raises(ValueError, match="a: keeping 6 experts .* is more than its 4"):
+        prune.choose(mass, keep=each(1.0), uniform=True)
+    names = ["encoder.layers.1.fc1", "decoder.layers.1.fc1"]
+    assert prune.per_layer("0.5", names, "--keep") == dict.fromkeys(names, 0.5)
+    assert prune.per_layer("1,0.25", names, "--keep") == dict(zip(names, [1.0, 0.25]))
+    assert prune.per_layer("encoder=1,decoder=0.5", names, "--keep") == dict(zip(names, [1.0, 0.5]))
+    for spec, match in (("1,2,3", "3 values for 2 MoE layers"), ("encoder=1", "says nothing of the decoder"),
+                        ("middle=1,decoder=1", "'middle' is not a side"), ("x", "not a number"),
+                        ("encoder=1,encoder=0.5,decoder=1", "a side said twice")):
+        with pytest.raises(ValueError, match=match):
+            prune.per_layer(spec, names, "--keep")
+
+
+def test_each_layer_keeps_its_own_count_and_the_model_loads_with_them(multilingual, tmp_path, capsys):
+    """--keep encoder=1,decoder=0.25: the encoder keeps its 8 experts, the decoder 2; OUT.pt's --moe-expert-count
+    is then 8,2, and the pruned model is the full one with the decoder's other experts' logits at -inf."""
+    data, full_path = multilingual
+    out = tmp_path / "pruned.pt"
+    assert prune.main([str(full_path), str(out), "--data", data, "--lang-pairs", "en-xx", "--keep",
+                       "encoder=1,decoder=0.25"]) == 0
+    assert "decoder.layers.1.fc1: 2 of 8" in capsys.readouterr().out
+    state = torch.load(out, weights_only=True)
+    assert state["cfg"]["model"].moe_expert_count == "8,2"
+    kept = state["extra_state"]["made_by"]["kept"]
+    pruned, task = load(out, data)
+    assert [layer.experts.w1.shape[0] for _, layer in moe_layers(pruned)] == [8, 2]
+    full, full_task = load(full_path, data)
+    for name, layer in moe_layers(full):
+        gate = layer.gate
+
+        def masked(x, _gate=gate, _drop=[e for e in range(E) if e not in kept[name]]):
+            logits = type(_gate).forward(_gate, x)
+            return logits.index_fill(-1, torch.tensor(_drop, dtype=torch.long), float("-inf")) if _drop else logits
+
+        gate.forward = masked
+    for a, b in zip(outputs(pruned, task), outputs(full, full_task)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input_is_one_line_and_writes_nothing(multilingual, tmp_path, capsys):
     data, full_path = multilingual
     for argv, match in ((["--lang-pairs", "en-zz", "--keep", "0.5"], "en-zz is not one of the model's pairs"),
-                        (["--keep", "1.5"], "--keep 1.5: a fraction in (0, 1]"),
-                        (["--keep", "0.5", "--keep-mass", "0.9"], "give one of --keep F and --keep-mass M"),
-                        (["--keep-mass", "0"], "--keep-mass 0.0: a fraction in (0, 1]")):
+                        (["--keep", "1.5"], "--keep 1.5: 1.5 for encoder.layers.1.fc1: a fraction in (0, 1]"),
+                        (["--keep", "0.5", "--keep-mass", "0.9"],
+                         "give one of --keep F, --keep-mass M and --keep-count N"),
+                        (["--keep-mass", "0"], "--keep-mass 0: 0.0 for encoder.layers.1.fc1: a fraction in (0, 1]"),
+                        (["--keep", "1,0.5,1"], "--keep 1,0.5,1: 3 values for 2 MoE layers"),
+                        (["--keep-count", "9"], "keeping 9 experts"),
+                        (["--keep-count", "encoder=0,decoder=2"], "a count >= 1")):
         assert prune.main([str(full_path), str(tmp_path / "out.pt"), "--data", data, *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("python -m fairseq_moe.prune: error: ") and match in err, err

@@ -63,16 +63,20 @@ def logits(model, task, seed=0):
 
 @pytest.mark.parametrize("kind, flags", [
     ("mt", ["--experts", "4", "--top-k", "2"]),
+    ("mt", ["--experts", "2,6", "--top-k", "2"]),  # (each MoE layer its own count: encoder 2, decoder 6)
     ("mt", ["--experts", "4", "--top-k", "1", "--top1-weight", "one", "--moe-freq", "1"]),
     ("lm", ["--experts", "4", "--top-k", "2", "--moe-freq", "1"]),
     ("lm", ["--experts", "3", "--top-k", "1", "--top1-weight", "one", "--router", "zero"]),
-], ids=["mt-top2", "mt-top1", "lm-top2", "lm-top1-zero-router"])
+], ids=["mt-top2", "mt-top2-per-layer", "mt-top1", "lm-top2", "lm-top1-zero-router"])
 def test_upcycled_model_computes_what_the_dense_one_did(request, tmp_path, kind, flags):
     dense = request.getfixturevalue(f"dense_{kind}")
     out = tmp_path / "moe.pt"
     assert upcycle.main([str(dense), str(out), *flags]) == 0
     (a, task), (b, _) = load(dense), load(out)
     assert type(b).__name__.startswith("MoE") and any(".moe.experts." in n for n in b.state_dict())
+    if "2,6" in flags:
+        assert [m.moe.experts.w1.shape[0] for n, m in b.named_modules() if n.endswith("fc1") and hasattr(m, "moe")] \
+            == [2, 6]
     with torch.no_grad():
         torch.testing.assert_close(logits(b, task), logits(a, task), rtol=1e-5, atol=1e-5)
     # The control: copies with noise are different experts, and the model no longer computes the dense one.
@@ -134,6 +138,8 @@ def test_refusals(dense_mt, dense_lm, data_bin, lm_data_bin, tmp_path, capsys):
     fails(dense_mt, out, "--experts", "4", "--moe-freq", "5", match="--moe-freq 5")
     fails(dense_lm, out, "--experts", "4", "--encoder-moe-freq", "1", match="--encoder-moe-freq")
     fails(dense_mt, out, "--experts", "2", "--top-k", "3", match="--top-k 3")
+    fails(dense_mt, out, "--experts", "4,4,4", match="--experts 4,4,4 gives 3 counts for 2 MoE layers")
+    fails(dense_mt, out, "--experts", "4,x", match="--experts '4,x' is not a count")
     fails(tmp_path / "missing.pt", out, "--experts", "2", match="missing.pt")
     assert not out.exists()
     upcycle.main([str(dense_mt), str(out), "--experts", "2"])

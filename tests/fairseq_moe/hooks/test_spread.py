@@ -85,6 +85,26 @@ def test_a_hash_routed_file_generates_on_two_ranks_as_on_one_process(data_bin, t
 
 
 @pytest.mark.slow
+def test_per_layer_expert_counts_generate_on_four_ranks_as_on_one_process(data_bin, tmp_path):
+    """--moe-expert-count 2,4 (the encoder's MoE layer 2 experts, the decoder's 4), a file of one process: on 4 ranks
+    the encoder's experts have 2 replicas each and the decoder's none (two expert-parallel sizes, whose layers meet
+    in one lockstep while the beam searches differ)."""
+    run_train(train_argv(data_bin, tmp_path, "--max-update", "3", "--moe-expert-count", "2,4",
+                         "--required-batch-size-multiple", "1"))
+    path = tmp_path / "checkpoint_last.pt"
+    one, many = generate(data_bin, path, 1), generate(data_bin, path, 4)
+    assert one.returncode == 0 and many.returncode == 0, tail(one.stderr + many.stderr)
+    assert_same(one.stdout, many.stdout)
+    # resharded into a set of 4 ranks, which 2 ranks read (each layer's experts cut again): the same
+    from fairseq_moe import reshard
+
+    assert reshard.main([str(path), str(tmp_path / "set" / "model.pt"), "--world-size", "4"]) == 0
+    again = generate(data_bin, tmp_path / "set" / "model.pt", 2)
+    assert again.returncode == 0, tail(again.stderr)
+    assert_same(one.stdout, again.stdout)
+
+
+@pytest.mark.slow
 def test_ranks_that_do_not_divide_the_experts_are_one_line(data_bin, spread_set):
     out = generate(data_bin, spread_set, 3)
     errors = error_lines(out.stderr)

@@ -74,6 +74,8 @@ def launched(data_bin, tmp_path_factory):
     # zeros after the ranks' all-reduce, and momentum would still move it.)
     (2, ("--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--momentum", "0")),
     (2, ("--store-ema", "--ema-decay", "0.8", "--ema-fp32")),  # each rank's EMA of its experts, in the set
+    # Each MoE layer its own count: the encoder's 2 experts have 2 replicas on 4 ranks, the decoder's 8 two per rank.
+    (4, ("--moe-expert-count", "2,8")),
 ])
 def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The W ranks run while the 1-process reference trains here (tests use one thread: two cores).
@@ -96,7 +98,8 @@ def test_w_ranks_equal_one_rank(data_bin, tmp_path, world_size, extra, request):
     # The validation loss after the last update (the valid set is split over the W ranks).
     assert b["extra_state"]["val_loss"] == pytest.approx(a["extra_state"]["val_loss"], rel=1e-5)
     assert_same_params(b["model"], a["model"])
-    assert b["model"]["encoder.layers.1.fc1.moe.experts.w1"].shape[0] == 4  # all experts, not rank 0's
+    want = [2, 8] if "2,8" in extra else [4, 4]  # every expert of each layer, not rank 0's
+    assert [b["model"][f"{side}.layers.1.fc1.moe.experts.w1"].shape[0] for side in ("encoder", "decoder")] == want
     if "--store-ema" in extra:
         check_ema(data_bin, tmp_path, one, base, extra, a, b)
     if world_size > 2 or extra:

@@ -23,6 +23,29 @@ def test_placement_and_settings(data_bin, tmp_path):
     assert b["encoder.layers.1.fc1"].moe.experts.w1.shape == (3, 32, 24)
 
 
+def test_an_expert_count_per_moe_layer(data_bin, tmp_path):
+    """--moe-expert-count takes one count per MoE layer, encoder layers first; each layer has its own experts and
+    router, and computes what the loop oracle computes with its weights (tests/fairseq_moe_layer/oracle.py)."""
+    import torch
+
+    from tests.fairseq_moe_layer.oracle import moe_oracle
+
+    b = blocks(data_bin, tmp_path, "--encoder-layers", "4", "--moe-expert-count", "3,5,6,2", "--decoder-moe-freq",
+               "1", "--moe-capacity-factor", "0", "--moe-eval-capacity-token-fraction", "0", "--moe-top-k", "2")
+    counts = {name: (block.moe.cfg.num_experts, block.moe.experts.w1.shape[0], block.moe.gate.weight.shape[0])
+              for name, block in b.items()}
+    assert counts == {"encoder.layers.1.fc1": (3, 3, 3), "encoder.layers.3.fc1": (5, 5, 5),
+                      "decoder.layers.0.fc1": (6, 6, 6), "decoder.layers.1.fc1": (2, 2, 2)}
+    torch.manual_seed(0)
+    for name, block in b.items():
+        moe = block.moe.eval()
+        x = torch.randn(7, 32)
+        ex = moe.experts
+        want = moe_oracle(x, moe.gate.weight, ex.w1, ex.b1, ex.w2, ex.b2, 2)
+        torch.testing.assert_close(moe(x)[0], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert blocks(data_bin, tmp_path, "--moe-expert-count", "6,6")["decoder.layers.1.fc1"].moe.cfg.num_experts == 6
+
+
 def test_routing_noise_and_eval_top_k_reach_the_layers(data_bin, tmp_path):
     b = blocks(data_bin, tmp_path, "--moe-routing", "dense", "--moe-gate-noise", "jitter", "--moe-gate-noise-scale",
                "0.05", "--moe-eval-top-k", "1")
@@ -55,6 +78,10 @@ def test_defaults_and_aliases(data_bin, tmp_path):
     (("--moe-top-k", "5", "--moe-expert-count", "4"), "--moe-top-k"),
     (("--moe-top-k", "0"), "--moe-top-k"),
     (("--moe-expert-count", "0"), "--moe-expert-count"),
+    (("--moe-expert-count", "4,0"), "--moe-expert-count"),
+    (("--moe-expert-count", "4,4,4"), "--moe-expert-count 4,4,4 gives 3 counts for 2 MoE layers (encoder [1], "
+                                      "decoder [1])"),
+    (("--moe-expert-count", "4,8", "--moe-top-k", "5"), "--moe-top-k"),
     (("--moe-capacity-factor", "-1"), "--moe-capacity-factor"),
     (("--moe-eval-capacity-token-fraction", "1.5"), "--moe-eval-capacity-token-fraction"),
     (("--moe-freq", "3"), "--moe-freq"),  # 2 layers per side: (i + 1) % 3 never 0
@@ -92,6 +119,7 @@ def test_bad_settings_name_the_flag(data_bin, tmp_path, extra, flag):
     (("--moe-gate-noise", "nope"), "--moe-gate-noise"),
     (("--moe-gate-loss-combine-method", "median"), "--moe-gate-loss-combine-method"),
     (("--moe-expert-count", "two"), "--moe-expert-count"),
+    (("--moe-expert-count", "4,x"), "--moe-expert-count"),
 ])
 def test_unknown_choices_rejected_by_the_parser(data_bin, tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit):
@@ -215,7 +243,7 @@ def test_trainer_refuses_unfriendly_setups_from_the_whole_config(data_bin, tmp_p
     flags = training_flags(cfg)
     assert (flags.optimizer, flags.fp16, flags.ddp_backend) == ("adafactor", False, args.ddp_backend)
     spread = ExpertParallel(group=None, size=2, ep_rank=0, num_local_experts=2, replicas=1, replica_group=None)
-    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: spread)
+    monkeypatch.setattr(moe_transformer, "build_expert_parallel", lambda args: {4: spread})
     model = task.build_model(cfg.model)
     with pytest.raises(ValueError, match="--scale-parameter"):
         Trainer(cfg, task, model, criterion)

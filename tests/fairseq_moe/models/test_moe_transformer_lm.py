@@ -209,3 +209,9 @@ def test_layers_to_keep_prunes_to_the_right_layers(lm_data_bin, tmp_path):
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="--decoder-layers-to-keep 0,2"):
         build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4", "--decoder-layers-to-keep", "0,2"))
+    # One expert count per MoE layer of the full model: the kept layers keep theirs.
+    _, full, _, _ = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4", "--moe-expert-count", "2,6"))
+    _, pruned, _, args = build(lm_train_argv(lm_data_bin, tmp_path, "--decoder-layers", "4", "--moe-expert-count",
+                                             "2,6", "--decoder-layers-to-keep", "0,3"))
+    assert [(name, b.moe.cfg.num_experts) for name, b in moe_blocks(pruned)] == [("decoder.layers.1.fc1", 6)]
+    pruned.load_state_dict(full.state_dict(), model_cfg=args)
