@@ -250,7 +250,8 @@ def test_a_usage_error_is_printed_by_rank_0_alone(data_bin, tmp_path):
     out = launch_2(data_bin, tmp_path, "--moe-expert-count", "abc")
     errors = error_lines(out.stdout + out.stderr)
     assert out.returncode == 2
-    assert errors == ["fairseq-train: error: argument --moe-expert-count: invalid int value: 'abc'"]
+    assert errors == ["fairseq-train: error: argument --moe-expert-count: 'abc' is not a count nor a comma-separated "
+                      "list of counts"]
 
 
 def test_generate_and_eval_lm_take_a_set_by_its_name(data_bin, lm_data_bin, trained_checkpoint, tmp_path):
