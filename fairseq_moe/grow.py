@@ -34,7 +34,7 @@ from fractions import Fraction
 import torch
 
 from . import with_fairseq
-from .checkpoints.command import PROG, new_checkpoint, parser, read_any, run
+from .checkpoints.command import PROG, new_checkpoint, parser, run
 from .checkpoints.fits import expert_counts
 from .checkpoints.new_files import write_new
 from .checkpoints.state import moe_checkpoint
@@ -107,7 +107,7 @@ def check_model(model_cfg, layers, ckpt):
 def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, subset="valid", freeze_old=False,
          bias_update_rate=1e-3, seed=1, max_tokens=4000):
     """Write OUT.pt; returns {layer: (E before, E after, the new experts' sources or 'fresh')}."""
-    from .models.expert_use import load, routed_weight
+    from .models.expert_use import load, read_moe, routed_weight
     from .models.moe_transformer import moe_base_architecture, moe_config
 
     if add < 1:
@@ -119,10 +119,7 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
     if not (math.isfinite(bias_update_rate) and bias_update_rate > 0):
         raise FlagError(f"--bias-update-rate {bias_update_rate}: must be > 0")
     new_checkpoint(out)
-    state = read_any(ckpt)
-    model_cfg = (state.get("cfg") or {}).get("model")
-    if not isinstance(model_cfg, Namespace) or not str(getattr(model_cfg, "arch", "")).startswith("moe_transformer"):
-        raise FlagError(f"{ckpt} is not a moe_transformer checkpoint")
+    state, model_cfg = read_moe(ckpt)
     # Each MoE layer's settings, as the model builds them (its saved flags, its experts' count).
     old = {key[:-len(".moe.experts.w1")]: t.shape[0] for key, t in state["model"].items()
            if key.endswith(".moe.experts.w1")}

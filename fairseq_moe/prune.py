@@ -35,7 +35,7 @@ import torch
 from .errors import FlagError
 from .checkpoints.new_files import write_new
 from . import with_fairseq
-from .checkpoints.command import PROG, language_pair, new_checkpoint, parser, read_any, run
+from .checkpoints.command import PROG, language_pair, new_checkpoint, parser, run
 from .checkpoints.state import moe_checkpoint, task_config
 
 
@@ -126,17 +126,14 @@ def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass
           max_tokens=4000, keep_count=None, uniform=False):
     """Write OUT.pt; returns ({layer: n}, {layer: E}, {layer: (kept ids, share of the routed weight kept)}).
     keep, keep_mass, keep_count: one value, or a spec per layer or per side (per_layer)."""
-    from .models.expert_use import load, moe_layers, routed_weight
+    from .models.expert_use import load, moe_layers, read_moe, routed_weight
 
     if sum(v is not None for v in (keep, keep_mass, keep_count)) != 1:
         raise FlagError("give one of --keep F, --keep-mass M and --keep-count N")
     if multiple_of < 1:
         raise FlagError(f"--multiple-of {multiple_of}: must be >= 1")
     new_checkpoint(out)
-    state = read_any(ckpt)
-    model_cfg = (state.get("cfg") or {}).get("model")
-    if not isinstance(model_cfg, Namespace) or not str(getattr(model_cfg, "arch", "")).startswith("moe_transformer"):
-        raise FlagError(f"{ckpt} is not a moe_transformer checkpoint")
+    state, model_cfg = read_moe(ckpt)
     overrides = {}
     task_cfg = state["cfg"].get("task")
     task_pairs = getattr(task_cfg, "lang_pairs", None) if isinstance(task_cfg, Namespace) else None

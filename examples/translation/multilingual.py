@@ -281,31 +281,25 @@ def run(a):
                  title=f"({a.experts} experts, top-{a.top_k})")
 
     results["pruned"] = {}
+
+    def pruned_row(pair, folder, setting):
+        """fairseq_moe.prune of the MoE model for pair with setting (its flags), scored and sized on pair."""
+        print(f"\n===== pruned for {pair}: {' '.join(setting)} =====", flush=True)
+        out_dir = run_dir / "pruned" / folder
+        out_dir.mkdir(parents=True, exist_ok=True)
+        pruned = out_dir / "pruned.pt"
+        pruned.unlink(missing_ok=True)
+        pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
+                             str(data_bin), "--lang-pairs", pair, *setting], out_dir / "prune.log")
+        row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
+        return dict(row, kept=experts_of(pruned), weights_mb=weights_mb(pruned))
+
     for pair in pairs(a):
         for keep in a.prune_keep:
-            print(f"\n===== pruned for {pair}: keep {keep} =====", flush=True)
-            out_dir = run_dir / "pruned" / f"{pair}-keep{keep}"
-            out_dir.mkdir(parents=True, exist_ok=True)
-            pruned = out_dir / "pruned.pt"
-            pruned.unlink(missing_ok=True)
-            pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
-                                 str(data_bin), "--lang-pairs", pair, "--keep", str(keep)], out_dir / "prune.log")
-            row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
-            row["kept"] = experts_of(pruned)
-            row["weights_mb"] = weights_mb(pruned)
-            results["pruned"][f"{pair} keep {keep}"] = row
+            results["pruned"][f"{pair} keep {keep}"] = pruned_row(pair, f"{pair}-keep{keep}", ["--keep", str(keep)])
         for setting in a.prune_per_layer:
-            print(f"\n===== pruned for {pair}: {' '.join(setting)} =====", flush=True)
-            out_dir = run_dir / "pruned" / f"{pair}{setting[0][6:]}-{setting[1].replace(',', '-').replace('=', '')}"
-            out_dir.mkdir(parents=True, exist_ok=True)
-            pruned = out_dir / "pruned.pt"
-            pruned.unlink(missing_ok=True)
-            pipeline.run_logged([sys.executable, "-m", "fairseq_moe.prune", str(moe_ckpt), str(pruned), "--data",
-                                 str(data_bin), "--lang-pairs", pair, *setting], out_dir / "prune.log")
-            row = translate(a, data_bin, pruned, out_dir, pair, spm_model, refs[pair])
-            row["kept"] = experts_of(pruned)
-            row["weights_mb"] = weights_mb(pruned)
-            results["pruned"][f"{pair} {' '.join(setting)}"] = row
+            folder = f"{pair}{setting[0][6:]}-{setting[1].replace(',', '-').replace('=', '')}"
+            results["pruned"][f"{pair} {' '.join(setting)}"] = pruned_row(pair, folder, setting)
 
     results["wall_seconds"] = round(time.time() - wall_start, 1)
     pipeline.write_json(run_dir / "results.json", results)

@@ -15,6 +15,19 @@ from ..checkpoints.state import task_config
 from ..errors import CheckpointError, FlagError
 
 
+def read_moe(checkpoint):
+    """(state, its model's config) of a moe_transformer checkpoint (a file, or a set put together), or FlagError."""
+    from argparse import Namespace
+
+    from ..checkpoints.command import read_any
+
+    state = read_any(checkpoint)
+    model_cfg = (state.get("cfg") or {}).get("model")
+    if not isinstance(model_cfg, Namespace) or not str(getattr(model_cfg, "arch", "")).startswith("moe_transformer"):
+        raise FlagError(f"{checkpoint} is not a moe_transformer checkpoint")
+    return state, model_cfg
+
+
 def load(checkpoint, data, overrides=None):
     """(model, task) from a checkpoint (file or set), on CPU, in eval mode (overrides: of the task's settings,
     such as a multilingual task's lang_pairs)."""
