@@ -19,7 +19,8 @@ any score (scores are in [0, 1]), and
     that a float cannot hold exactly is refused, as are grown layers of different E at a capacity); a capacity as
     a fraction of the tokens (at evaluation) does not depend on E.
 The new experts then join as the balancing bias moves them up after every update (--moe-bias-update-rate: the
-model's, or --bias-update-rate R where it had none), and their router rows learn once they are chosen.
+model's, or --bias-update-rate R where it had none: after about 1 / (2R) updates), and their weights learn once they
+are chosen. (Exact: the outputs. The balance and z losses, over E + N experts, differ from the first step.)
 --freeze-old keeps the old experts and router rows as they are while training goes on (--moe-frozen-experts: their
 gradients zeroed).
 
@@ -35,7 +36,6 @@ import torch
 
 from . import with_fairseq
 from .checkpoints.command import PROG, new_checkpoint, parser, run
-from .checkpoints.fits import expert_counts
 from .checkpoints.new_files import write_new
 from .checkpoints.state import moe_checkpoint
 from .errors import FlagError
@@ -44,7 +44,7 @@ class Grown(dict):
     """{layer: (E before, E after, sources)}, and .flags: the --moe-* flags a run continuing from OUT gives."""
 
 
-MARGIN = 1.0  # how far below every old expert's bias (past the largest score, 1) a new expert's starts
+MARGIN = 0.01  # how far below every old expert's bias, past the largest score (1), a new expert's starts
 
 
 def _exact_float(value):
@@ -97,6 +97,13 @@ def check_model(model_cfg, layers, ckpt):
         if cfg.second_expert_policy == "sampling":
             raise FlagError(f"{ckpt}: {name} has --moe-second-expert-policy sampling, which draws among every "
                             f"expert (the new ones too)")
+        if cfg.gate_noise == "gaussian":
+            raise FlagError(f"{ckpt}: {name} has --moe-gate-noise gaussian, whose noise is drawn per expert (the new "
+                            f"ones would change the old ones' draws)")
+        if cfg.score == "softmax" and cfg.second_expert_policy == "random" and \
+                not cfg.normalize_gate_prob_before_dropping:
+            raise FlagError(f"{ckpt}: {name} keeps its second choices with --moe-second-expert-policy random by their "
+                            f"softmax probabilities, which the new experts' logits would lower")
         one = [k for k in (cfg.top_k, cfg.eval_top_k) if k == 1]
         if one and cfg.score == "softmax" and cfg.top1_weight == "prob":
             raise FlagError(f"{ckpt}: {name} routes top-1 with its router probability as the weight (Switch): the "
@@ -128,6 +135,15 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
     all_layers = {n: moe_config(args, n.split(".")[0], E, 0) for n, E in old.items()}
     names = chosen_layers(list(all_layers), layers)
     check_model(model_cfg, {n: all_layers[n] for n in names}, ckpt)
+    for n in names:  # (what the new experts' share of a softmax would change)
+        c, bias = all_layers[n], state["model"].get(f"{n}.moe.routing_bias")
+        if c.score == "softmax" and bias is not None and bias.numel() and float(bias.max()) != float(bias.min()):
+            raise FlagError(f"{ckpt}: {n} chooses by its softmax scores plus a balancing bias that differs between "
+                            f"experts: the new experts' logits would shrink the scores, and the old experts' order "
+                            f"with them (a model with --moe-score sigmoid can grow exactly)")
+        if c.batch_prioritized_routing and not (c.capacity(1, True) is None and c.capacity(1, False) is None):
+            raise FlagError(f"{ckpt}: {n} has --moe-batch-prioritized-routing at a capacity: tokens queue by their "
+                            f"top softmax probability, which the new experts' logits would change token by token")
     if init == "copy":
         model, task = load(ckpt, data, {"lang_pairs": lang_pairs} if lang_pairs else {})
         mass, _ = routed_weight(model, task, subset, max_tokens)
@@ -155,9 +171,8 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
         cfg["moe_bias_update_rate"] = bias_update_rate
     counts = [grown[n] for n in all_layers]
     cfg["moe_expert_count"] = counts[0] if len(set(counts)) == 1 else ",".join(map(str, counts))
-    if freeze_old:
-        frozen = [old[n] if n in names else 0 for n in all_layers]
-        cfg["moe_frozen_experts"] = frozen[0] if len(set(frozen)) == 1 else ",".join(map(str, frozen))
+    frozen = [old[n] if n in names and freeze_old else 0 for n in all_layers]
+    cfg["moe_frozen_experts"] = frozen[0] if len(set(frozen)) == 1 else ",".join(map(str, frozen))
 
     weights = dict(state["model"])
     generator = torch.Generator().manual_seed(seed)

@@ -119,7 +119,9 @@ def pruned_state(state, kept, made_by, path):
     counts = [len(ids) for ids in kept.values()]
     flag = counts[0] if len(set(counts)) == 1 else ",".join(map(str, counts))
     # (as upcycle and convert write theirs: no optimizer state, no EMA, marked made_by)
-    return moe_checkpoint(state, model, dict(vars(state["cfg"]["model"]), moe_expert_count=flag), path, made_by)
+    # (experts kept are renumbered: a grown model's --moe-frozen-experts would name others)
+    return moe_checkpoint(state, model, dict(vars(state["cfg"]["model"]), moe_expert_count=flag, moe_frozen_experts=0),
+                          path, made_by)
 
 
 def prune(ckpt, out, data, lang_pairs=None, subset="valid", keep=None, keep_mass=None, multiple_of=1,

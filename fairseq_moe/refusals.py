@@ -112,7 +112,15 @@ _FSDP_REFUSED = (
      "experts'", {"amp": True}),
     ("--use-bmuf", lambda c: bool(c.flag("use_bmuf", False)), "BMUF syncs whole models; nothing would be sharded",
      {"use_bmuf": True}),
+    ("--moe-frozen-experts", lambda c: _frozen(c), "FSDP shards the routers' rows, which the freezing's gradient "
+     "hooks would not reach (they would train)", {"moe_frozen_experts": "0,4"}),
 )
+
+
+def _frozen(c):
+    """Whether --moe-frozen-experts freezes any expert (one count, or one per MoE layer)."""
+    value = c.flag("moe_frozen_experts", 0)
+    return bool(value) and any(int(v) for v in str(value).strip("[]").split(","))
 
 REFUSALS = (
     Refusal("product quantization noise with MoE layers", ("--quant-noise-pq",), "build",
@@ -239,6 +247,13 @@ REFUSALS = (
             "Shazeer et al.'s load estimator is defined by the noise of noisy top-k gating",
             {"model": lambda: _model_routed_by(_first(lambda p: p.balance_loss)),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_type="importance_load"))}),
+    Refusal("frozen experts with weight decay", ("--moe-frozen-experts", "--weight-decay"), "trainer",
+            lambda c: _frozen(c) and float(c.flag("weight_decay", 0) or 0) > 0,
+            "--moe-frozen-experts cannot be combined with --weight-decay: the optimizers' decoupled decay shrinks "
+            "the frozen experts and router rows whatever their (zeroed) gradients; train the grown model with "
+            "--weight-decay 0",
+            "fairseq's Adam and Adafactor apply weight decay to every parameter, gradient or not",
+            {"flags": {"moe_frozen_experts": 4, "weight_decay": 0.0001}}),
     Refusal("adaptive softmax with the MoE criterions", ("--adaptive-softmax-cutoff", "--criterion"), "trainer",
             _adaptive_softmax,
             "--adaptive-softmax-cutoff cannot be trained with the MoE criterions (they need plain output "

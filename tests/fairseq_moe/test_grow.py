@@ -139,6 +139,12 @@ def test_refused_by_name(data_bin, trained, tmp_path, capsys):
     run_train(train_argv(data_bin, switch, "--max-update", "1", "--moe-top-k", "1"))
     fails(switch / "checkpoint_last.pt", "routes top-1 with its router probability as the weight (Switch)", "--add",
           "2")
+    for flags, match in ((("--moe-bias-update-rate", "0.2"), "plus a balancing bias that differs between experts"),
+                         (("--moe-batch-prioritized-routing",), "--moe-batch-prioritized-routing at a capacity"),
+                         (("--moe-gate-noise", "gaussian", "--moe-gate-noise-scale", "1"), "--moe-gate-noise gaussian")):
+        save = tmp_path / flags[0].strip("-")
+        run_train(train_argv(data_bin, save, "--max-update", "2", *flags))
+        fails(save / "checkpoint_last.pt", match, "--add", "4")
     three = tmp_path / "three"
     run_train(train_argv(data_bin, three, "--max-update", "1", "--moe-expert-count", "3"))
     fails(three / "checkpoint_last.pt", "the capacity factor 1.0 x (E + N) / E is not exact", "--add", "1")
