@@ -126,9 +126,9 @@ class LayerSettings:
             )
         if self.frozen_experts > self.num_experts:
             bad("frozen_experts", f"must be at most --moe-expert-count {self.num_experts}")
-        if self.frozen_experts and (self.gate != "linear" or self.routing != "topk"):
-            bad("frozen_experts", f"freezes the rows of a linear gate of top-k routing, one per expert (here --moe-gate "
-                                  f"{self.gate}, --moe-routing {self.routing})")
+        if self.frozen_experts and (self.gate != "linear" or not policy.picks_by_score):
+            bad("frozen_experts", f"freezes a linear gate's rows of a routing that picks experts by their scores, one "
+                                  f"row per expert (here --moe-gate {self.gate}, --moe-routing {self.routing})")
         if self.eval_top_k is not None and self.eval_top_k > self.num_experts:
             bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")
         if self.gate_noise == "jitter" and self.gate_noise_scale >= 1:

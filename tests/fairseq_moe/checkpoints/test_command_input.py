@@ -224,6 +224,7 @@ MISSING = [
     ("convert_moe_branch", lambda d: [d / "none", d / "out.pt"], "none-shared.pt is missing"),
     ("export_hf", lambda d: [d / "none.pt", d / "hf"], "none.pt: no such checkpoint"),
     ("prune", lambda d: [d / "none.pt", d / "out.pt", "--data", d, "--keep", "0.5"], "none.pt: no such checkpoint"),
+    ("grow", lambda d: [d / "none.pt", d / "out.pt", "--add", "2"], "none.pt: no such checkpoint"),
     ("inspect", lambda d: [d / "none.pt", "--data", d, "--input", d / "in.txt", "--out", d / "o"],
      "none.pt: no such checkpoint"),
     ("plot", lambda d: [d / "none", d / "o"], "RUN_DIR " + "{d}/none: no such folder"),
