@@ -24,6 +24,7 @@ fairseq-generate and the student trains on that (docs/shipping.md).
 """
 import math
 import os
+from argparse import Namespace
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,9 @@ def _check_vocabulary(path, state, task):
         if rows is not None and dictionary is not None and rows != len(dictionary):
             raise FlagError(f"--kd-teacher {path}: its {side} has a vocabulary of {rows} types, the student's "
                             f"dictionary {len(dictionary)}: distillation needs the teacher's dictionaries")
-    cfg = state.get("cfg") or {}
-    theirs = str((cfg.get("task") or {}).get("data") or "").split(os.pathsep)[0]
+    task_cfg = (state.get("cfg") or {}).get("task")  # (a dict, or an argparse task's Namespace)
+    theirs = str((vars(task_cfg) if isinstance(task_cfg, Namespace) else task_cfg or {}).get("data") or "")
+    theirs = theirs.split(os.pathsep)[0]
     ours = str(getattr(getattr(task, "cfg", None), "data", None) or getattr(getattr(task, "args", None), "data", "")
                or "").split(os.pathsep)[0]  # (fairseq's legacy tasks keep theirs in task.args)
     if not theirs or not ours or not os.path.isdir(theirs) or os.path.realpath(theirs) == os.path.realpath(ours):

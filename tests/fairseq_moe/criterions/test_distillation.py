@@ -159,6 +159,29 @@ def test_refused_by_name(data_bin, tmp_path, teachers):
             build(argv)
 
 
+def test_a_multilingual_teacher_of_an_argparse_task(ml_data_bin, tmp_path):
+    """fairseq's multilingual task is an argparse task (its config a Namespace in the checkpoint): its teacher distils
+    into a student of the same task, and a student on another copy of the data is checked against its dictionary
+    files."""
+    from tests.fairseq_moe.helpers import ML_ARGS
+
+    ml = (*ML_ARGS, "--share-all-embeddings", "--max-source-positions", "64", "--max-target-positions", "64")
+    run_train(train_argv(ml_data_bin, tmp_path / "teacher", *ml, "--max-update", "2"))
+    teacher = str(tmp_path / "teacher" / "checkpoint_last.pt")
+    student = ("--criterion", "moe_distillation", "--kd-teacher", teacher, "--moe-expert-count", "2")
+    task, model, criterion, args = build(train_argv(ml_data_bin, tmp_path / "student", *ml, *student))
+    task.load_dataset("valid")
+    itr = task.get_batch_iterator(dataset=task.dataset("valid"), max_tokens=400, seed=1)
+    loss, _, log = criterion(model, next(iter(itr.next_epoch_itr(shuffle=False))))
+    assert torch.isfinite(loss) and float(log["kd_loss"]) > 0
+    other = tmp_path / "other"
+    shutil.copytree(ml_data_bin, other)
+    lines = (other / "dict.en.txt").read_text().splitlines(keepends=True)
+    (other / "dict.en.txt").write_text("".join([lines[1], lines[0], *lines[2:]]))
+    with pytest.raises(FlagError, match="its dictionary .*dict.en.txt is not the student's"):
+        build(train_argv(str(other), tmp_path / "student", *ml[:-5], *ml[-4:], *student))  # (its own embeddings)
+
+
 @pytest.mark.slow
 def test_fairseq_train_distils_and_saves_the_student_alone(data_bin, tmp_path, teachers, caplog):
     """fairseq-train with the criterion: the distillation term is logged and falls; the student's checkpoint holds
