@@ -39,6 +39,8 @@ from .checkpoints.command import PROG, new_checkpoint, parser, run
 from .checkpoints.new_files import write_new
 from .checkpoints.state import moe_checkpoint
 from .errors import FlagError
+from fairseq_moe_layer.experts import Experts
+from fairseq_moe_layer.gates import GATES
 
 class Grown(dict):
     """{layer: (E before, E after, sources)}, and .flags: the --moe-* flags a run continuing from OUT gives."""
@@ -51,21 +53,6 @@ def _exact_float(value):
     """value (a Fraction) as a float whose repr is exactly it, or None."""
     f = float(value)
     return f if Fraction(repr(f)) == value else None
-
-
-def fresh_expert(d, f, generator):
-    """One expert's (w1 [d, f], b1 [f], w2 [f, d], b2 [d]) as a new one starts (Experts.reset_parameters)."""
-    out = []
-    for shape, fan_in in (((d, f), d), ((f,), d), ((f, d), f), ((d,), f)):
-        bound = 1 / math.sqrt(fan_in)
-        out.append((torch.rand(shape, generator=generator, dtype=torch.float64) * 2 * bound - bound).float())
-    return out
-
-
-def fresh_router_rows(n, d, generator):
-    """[n, d] as a fresh linear gate's rows start (nn.Linear's kaiming_uniform_(a=sqrt(5)): +-1/sqrt(d))."""
-    bound = 1 / math.sqrt(d)
-    return (torch.rand(n, d, generator=generator, dtype=torch.float64) * 2 * bound - bound).float()
 
 
 def chosen_layers(names, layers):
@@ -123,6 +110,8 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
         raise FlagError(f"--init {init}: fresh or copy")
     if init == "copy" and not data:
         raise FlagError("--init copy copies the most used experts: give --data DATA to measure their use on")
+    if init == "fresh" and (data or lang_pairs or subset != "valid"):
+        raise FlagError("--data, --lang-pairs and --subset measure expert use for --init copy; fresh experts need none")
     if not (math.isfinite(bias_update_rate) and bias_update_rate > 0):
         raise FlagError(f"--bias-update-rate {bias_update_rate}: must be > 0")
     new_checkpoint(out)
@@ -175,7 +164,7 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
     cfg["moe_frozen_experts"] = frozen[0] if len(set(frozen)) == 1 else ",".join(map(str, frozen))
 
     weights = dict(state["model"])
-    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # (the fresh experts and router rows start as the layer's own: Experts, LinearGate)
     report = {}
     for n in names:
         p = f"{n}.moe."
@@ -188,9 +177,9 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
             rows = gate[sources].clone()
         else:
             sources = "fresh"
-            experts = [fresh_expert(w1.shape[1], w1.shape[2], generator) for _ in range(add)]
-            new = [torch.stack([e[i] for e in experts]).to(t.dtype) for i, t in enumerate((w1, b1, w2, b2))]
-            rows = fresh_router_rows(add, gate.shape[1], generator).to(gate.dtype)
+            fresh = Experts(add, w1.shape[1], w1.shape[2])
+            new = [p.detach() for p in (fresh.w1, fresh.b1, fresh.w2, fresh.b2)]
+            rows = GATES["linear"](gate.shape[1], add).weight.detach().to(gate.dtype)
         for key, t, extra in zip(("w1", "b1", "w2", "b2"), (w1, b1, w2, b2), new):
             weights[p + f"experts.{key}"] = torch.cat([t, extra.to(t.dtype)])
         weights[p + "gate.weight"] = torch.cat([gate, rows])

@@ -174,7 +174,8 @@ class Plan:
         self.steps = (None, None)
         if ep.local_size > 1:  # (out, back)
             self.steps = (_step_counts(send.sum(1), ep), _step_counts(self.recv.sum(1), ep))
-        self.tensors = [self.send, self.recv, *(t for s in self.steps if s for t in s)]
+        # (what is read with the counts: the counts' own view needs no read of its own)
+        self.tensors = [*([self.send] if D > 1 else []), self.recv, *(t for s in self.steps if s for t in s)]
 
     def read(self):
         """Read what is not read yet of the counts (at most one read); -> self."""
@@ -185,7 +186,7 @@ class Plan:
         """(out, back): the Ways of the rows out to the experts and of their outputs back (flat or 2-D; D = 1)."""
         P = self.ep.size
         per_rank = lambda h: [sum(h[i * len(h) // P:(i + 1) * len(h) // P]) for i in range(P)]  # noqa: E731
-        out = Way(per_rank(host.sizes(self.send)), per_rank(host.sizes(self.recv)), self.steps[0])
+        out = Way(per_rank(host.sizes(self.counts)), per_rank(host.sizes(self.recv)), self.steps[0])
         return out, out.back(self.steps[1])
 
 

@@ -89,6 +89,8 @@ def parse_args(argv=None):
         p.error(f"--prune-keep {a.prune_keep}: fractions, comma-separated")
     if any(not 0 < k < 1 for k in a.prune_keep):
         p.error("--prune-keep: fractions in (0, 1)")
+    if not a.distill and (a.kd_alpha != p.get_default("kd_alpha") or a.kd_topk != p.get_default("kd_topk")):
+        p.error("--kd-alpha and --kd-topk set the --distill step: add --distill")
     a.prune_per_layer = [s.split() for s in a.prune_per_layer.split(";") if s.strip()]
     if any(len(s) != 2 or s[0] not in ("--keep", "--keep-mass", "--keep-count") for s in a.prune_per_layer):
         p.error("--prune-per-layer: settings like '--keep encoder=1,decoder=0.5;--keep-mass 0.9'")

@@ -50,7 +50,7 @@ def test_the_grown_model_computes_what_the_model_did(data_bin, trained, tmp_path
     printed = capsys.readouterr().out
     assert f"encoder.layers.1.fc1: 4 -> {4 + add} experts" in printed and "--finetune-from-model" in printed
     (old, task), (new, _) = load(trained[kind]), load(out)
-    sample = first_batch(task, argparse_like(data_bin))
+    sample = first_batch(task, None)
     layers = {n: m.moe for n, m in new.named_modules() if hasattr(m, "moe")}
     assert all(m.experts.w1.shape[0] == 4 + add and m.gate.weight.shape[0] == 4 + add for m in layers.values())
     for training in (False, True):  # (training: the training capacity, CF x (E + N) / E, and dropout)
@@ -63,19 +63,14 @@ def test_the_grown_model_computes_what_the_model_did(data_bin, trained, tmp_path
         assert cfg.moe_capacity_factor == 1.0 * (4 + add) / 4
     w1 = state["model"]["decoder.layers.1.fc1.moe.experts.w1"]
     gate = state["model"]["decoder.layers.1.fc1.moe.gate.weight"]
-    if init == "copy":  # the most used experts, with their router rows
-        sources = state["extra_state"]["made_by"]["init"] == "copy"
-        from fairseq_moe.inspect import routed_weight
+    if init == "copy":  # the most used experts (by the routed weight, as prune measures it), with their router rows
+        from fairseq_moe.models.expert_use import routed_weight
+
         mass, _ = routed_weight(old.eval(), task, "valid", 4000)
         top = sorted(range(4), key=lambda e: (-float(mass["decoder.layers.1.fc1"][e]), e))[:add]
-        assert sources and all(torch.equal(w1[4 + i], w1[e]) and torch.equal(gate[4 + i], gate[e])
-                               for i, e in enumerate(top))
-
-
-def argparse_like(data_bin):
-    from argparse import Namespace
-
-    return Namespace(data=data_bin)
+        assert all(torch.equal(w1[4 + i], w1[e]) and torch.equal(gate[4 + i], gate[e]) for i, e in enumerate(top))
+    else:  # fresh: not copies of any old expert
+        assert not any(torch.equal(w1[4 + i], w1[e]) for i in range(add) for e in range(4))
 
 
 def _grown_flags(path):
@@ -135,6 +130,7 @@ def test_refused_by_name(data_bin, trained, tmp_path, capsys):
           "middle")
     fails(trained["top2"], "--init copy copies the most used experts: give --data", "--add", "2", "--init", "copy")
     fails(trained["top2"], "has 4 experts to copy", "--add", "5", "--init", "copy", "--data", data_bin)
+    fails(trained["top2"], "fresh experts need none", "--add", "4", "--data", data_bin)
     switch = tmp_path / "switch"
     run_train(train_argv(data_bin, switch, "--max-update", "1", "--moe-top-k", "1"))
     fails(switch / "checkpoint_last.pt", "routes top-1 with its router probability as the weight (Switch)", "--add",
