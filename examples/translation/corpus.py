@@ -41,6 +41,8 @@ BIBLE_TRANSLATIONS = {
     "fr": ("l", "Louis Segond, 1910"),
     "es": ("v", "Reina-Valera, 1909"),
     "it": ("d", "Diodati, 1649"),
+    "ru": ("r", "Russian Synodal Translation, 1876"),
+    "tl": ("f", "Ang Dating Biblia, 1905"),
 }
 
 # The Louis Segond text marks verses whose French numbering differs from the
