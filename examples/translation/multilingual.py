@@ -8,11 +8,13 @@ End to end, it
      by verse: the King James Version (1611, English) and, as targets, the Louis Segond (1910, French), the
      Reina-Valera (1909, Spanish) and the Diodati (1649, Italian); the quickstart's books are held out (test:
      Judges + Mark, valid: Joshua + Romans);
-  2. learns one sentencepiece BPE for the four languages and binarises every pair with one dictionary;
+  2. learns one sentencepiece BPE for the four languages (five with --grow) and binarises every pair with one
+     dictionary;
   3. trains, with fairseq's multilingual task (``translation_multi_simple_epoch``: the target language's token on
-     the encoder's input, which tells a one-to-many model where to go, and at the decoder's start), a ``moe_transformer_tiny`` (--experts experts of
-     width 512 / top-k, top-k routing) with ``moe_translation_multi_simple_epoch`` and a dense ``transformer``
-     of FFN width 512, the same dimensions, budget and seed;
+     the encoder's input, which tells a one-to-many model where to go, and at the decoder's start), a
+     ``moe_transformer_tiny`` (--experts experts of width 512 / top-k, top-k routing) with
+     ``moe_translation_multi_simple_epoch`` and a dense ``transformer`` of FFN width 512, the same dimensions,
+     budget and seed;
   4. translates each direction's test books with both (beam 5) and scores BLEU and chrF (sacrebleu);
   5. draws each expert's share of the routed weight per direction and MoE layer (``inspect --by-lang-pair``:
      do the experts specialise?) and the training curves;
@@ -21,21 +23,24 @@ End to end, it
      layer or side its own keep), and scores and sizes each pruned checkpoint on that direction;
   7. with --distill: distils the MoE model into a dense student the size of the dense model (``--criterion
      moe_distillation``, word-level KD, the same budget and seed as the dense model), and scores it;
-  8. with --grow LANG: a fourth direction, English into LANG (another public-domain Bible of the database), learnt
+  8. with --grow LANG: one more direction, English into LANG (another public-domain Bible of the database), learnt
      by growth: ``fairseq_moe.grow`` adds --grow-experts experts to every MoE layer of the trained MoE model (copies
      of the experts the new direction's valid books use most), training goes on from it on all the directions for
-     --grow-updates updates, and an MoE model of the grown size is trained on all of them from scratch with the
-     first models' budget; every direction is scored with both. LANG's text is in the BPE and the dictionary from
-     the start (growth adds experts, not words; fairseq's multilingual task has LANG's token in every model), so
-     the first models are trained with a vocabulary that already covers it.
+     --grow-updates updates (with the flags grow prints: its capacity factor scaled by the growth, 1.25 x (E + N) /
+     E, and its balancing bias), and an MoE model of the grown size is trained on all of them from scratch with the
+     first models' budget and flags (capacity factor 1.25, no balancing bias); every direction is scored with both.
+     LANG's text is in the BPE and the dictionary from the start (growth adds experts, not words; fairseq's
+     multilingual task has LANG's token in every model), so the first models are trained with a vocabulary that
+     already covers it.
 
-About 45-55 minutes by default on 2 CPU cores (with --distill and --grow tl: about 2 hours). Everything lands in --workdir/runs/multilingual: results.json,
-the pictures, the logs.
+About 45-55 minutes by default on 2 CPU cores (with --distill and --grow tl: about 2 hours). Everything lands in
+--workdir/runs/bible.en-fr+es+it (+LANG with --grow): results.json, the pictures, the logs.
 """
 import argparse
 import os
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,6 +61,7 @@ BPE_VOCAB = 12000
 # --grow: the grown model's balancing-bias step (fairseq_moe.grow --bias-update-rate): the new experts, which start
 # below every old one, join after about 1 / (2 * rate) = 100 of the --grow-updates.
 GROW_BIAS_RATE = 0.005
+CAPACITY_FACTOR = "1.25"  # the MoE models' training capacity factor (grow scales the grown model's)
 
 
 def parse_args(argv=None):
@@ -82,7 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--kd-alpha", type=float, default=0.5, help="--distill: the weight of the distillation term")
     p.add_argument("--kd-topk", type=int, default=8, help="--distill: the teacher's most likely tokens kept")
     p.add_argument("--grow", default="", metavar="LANG", help="also add the direction en-LANG by growing the MoE "
-                   "model (LANG among " + ", ".join(k for k in corpus.BIBLE_TRANSLATIONS if k != SRC) + ")")
+                   "model (LANG among " + ", ".join(k for k in corpus.BIBLE_TRANSLATIONS if k != SRC) +
+                   ", not one of --targets)")
     p.add_argument("--grow-experts", type=int, default=8, help="--grow: experts added to each MoE layer")
     p.add_argument("--grow-updates", type=int, default=1000, help="--grow: updates of the grown model on every "
                                                                    "direction")
@@ -107,6 +114,18 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if a.top_k > a.experts:
         p.error(f"--top-k ({a.top_k}) cannot exceed --experts ({a.experts})")
+    if a.grow:  # (what fairseq_moe.grow would refuse an hour in, after the first models)
+        if a.top_k < 2:
+            p.error("--grow: growth keeps a top-1 model exact only with --moe-top1-weight one; this example trains "
+                    "top-1 with the probability as the weight: use --top-k 2 or more")
+        if a.grow_experts > a.experts:
+            p.error(f"--grow-experts {a.grow_experts}: copies of the most used experts, at most --experts "
+                    f"({a.experts})")
+        scaled = Fraction(CAPACITY_FACTOR) * Fraction(a.experts + a.grow_experts, a.experts)
+        if scaled.denominator & (scaled.denominator - 1):
+            p.error(f"--grow-experts {a.grow_experts}: the capacity factor {CAPACITY_FACTOR} x "
+                    f"({a.experts} + {a.grow_experts}) / {a.experts} is not exact in a float, which grow refuses: "
+                    f"choose counts whose ratio is (e.g. --grow-experts {a.experts // 2})")
     try:
         a.prune_keep = [float(x) for x in a.prune_keep.split(",") if x]
     except ValueError:
@@ -149,7 +168,8 @@ def learn_bpe(raw_dir, a, threads):
         return bpe_dir, model
     bpe_dir.mkdir(parents=True, exist_ok=True)
     first = pairs(a)[0]
-    inputs = [raw_dir / f"train.{first}.{SRC}"] + [raw_dir / f"train.{pair}.{pair[3:]}" for pair in pairs(a, True)]
+    inputs = [raw_dir / f"train.{first}.{SRC}"] + [raw_dir / f"train.{pair}.{pair.split('-')[1]}"
+                                                   for pair in pairs(a, True)]
     spm.SentencePieceTrainer.train(input=[str(i) for i in inputs], model_prefix=str(bpe_dir / "spm"),
                                    vocab_size=BPE_VOCAB, model_type="bpe", character_coverage=1.0,
                                    hard_vocab_limit=False, num_threads=threads, minloglevel=1)
@@ -201,7 +221,7 @@ def train_cmd(a, data_bin, save_dir, moe, stats_file=None, teacher=None, grown=F
              "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
     if moe:
         flags = {"--moe-expert-count": str(a.experts), "--moe-top-k": str(a.top_k),
-                 "--moe-expert-ffn-dim": str(a.expert_ffn_dim), "--moe-capacity-factor": "1.25",
+                 "--moe-expert-ffn-dim": str(a.expert_ffn_dim), "--moe-capacity-factor": CAPACITY_FACTOR,
                  "--moe-eval-capacity-token-fraction": "0", "--moe-gate-loss-wt": "0.01",
                  "--moe-stats-file": str(stats_file), "--moe-stats-interval": str(a.log_interval)}
         flags.update(moe_flags)
@@ -334,7 +354,8 @@ def run(a):
             folder = f"{pair}{setting[0][6:]}-{setting[1].replace(',', '-').replace('=', '')}"
             results["pruned"][f"{pair} {' '.join(setting)}"] = pruned_row(pair, folder, setting)
 
-    if a.grow:
+    if a.grow:  # (the results so far are kept if the growth step fails)
+        pipeline.write_json(run_dir / "results.json", results)
         results["growth"] = grow_step(a, data_bin, run_dir, moe_ckpt, spm_model, refs)
     results["wall_seconds"] = round(time.time() - wall_start, 1)
     pipeline.write_json(run_dir / "results.json", results)
@@ -361,8 +382,10 @@ def grow_step(a, data_bin, run_dir, moe_ckpt, spm_model, refs):
                         + ["--freeze-old"] * a.grow_freeze, log)
     # grow prints the --moe-* flags a run continuing from its output gives (the count, the capacity factor scaled,
     # the balancing bias's rate, the frozen experts): those replace the first model's.
-    said = log.read_text(encoding="utf-8").split("continue with fairseq-train ... ", 1)[1]
-    said = said.split(" --finetune-from-model")[0]
+    text = log.read_text(encoding="utf-8")
+    if "continue with fairseq-train ... " not in text:
+        raise pipeline.StepError(f"fairseq_moe.grow printed no flags to continue with: see {log}")
+    said = text.split("continue with fairseq-train ... ", 1)[1].split(" --finetune-from-model")[0]
     moe_flags = dict(zip(said.split()[::2], said.split()[1::2]))
     out = {"language": a.grow, "corpus": corpus.BIBLE_TRANSLATIONS[a.grow][1], "added": a.grow_experts,
            "grow_flags": said, "freeze_old": a.grow_freeze, "models": {}}
