@@ -82,7 +82,8 @@ def nllb_config(a, moe_layers, vocab):
     top_k = 1 if a.get("moe_top1_expert") else a.get("moe_top_k") or 2
     need(top_k == 2 and a.get("moe_eval_top_k") in (None, 2), f"--moe-top-k {top_k}", "is not 2 (NllbMoe routes "
          "top-2)")
-    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear")):
+    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear"),
+                          ("moe_expert_kind", "ffn")):  # (NllbMoe's experts: fc1, act, fc2, with biases)
         need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
     need(a.get("moe_gating_use_fp32", True), "--no-moe-gating-use-fp32", "is set")
     need(not a.get("moe_cmr"), "--moe-cmr", "is on (transformers' NllbMoe has no conditional MoE routing)")

@@ -39,7 +39,7 @@ from .checkpoints.command import PROG, new_checkpoint, parser, run
 from .checkpoints.new_files import write_new
 from .checkpoints.state import moe_checkpoint
 from .errors import FlagError
-from fairseq_moe_layer.experts import Experts
+from fairseq_moe_layer.experts import EXPERT_KINDS
 from fairseq_moe_layer.gates import GATES
 
 class Grown(dict):
@@ -169,18 +169,20 @@ def grow(ckpt, out, add, layers=None, init="fresh", data=None, lang_pairs=None, 
     for n in names:
         p = f"{n}.moe."
         E = old[n]
-        w1, b1, w2, b2 = (weights[p + f"experts.{k}"] for k in ("w1", "b1", "w2", "b2"))
+        keys = [k for k in ("w1", "b1", "w2", "b2") if p + f"experts.{k}" in weights]  # (swiglu: no biases)
+        tensors = [weights[p + f"experts.{k}"] for k in keys]
         gate = weights[p + "gate.weight"]
         if init == "copy":
             sources = sorted(range(E), key=lambda e: (-float(mass[n][e]), e))[:add]
-            new = [torch.stack([t[e] for e in sources]) for t in (w1, b1, w2, b2)]
+            new = [torch.stack([t[e] for e in sources]) for t in tensors]
             rows = gate[sources].clone()
         else:
             sources = "fresh"
-            fresh = Experts(add, w1.shape[1], w1.shape[2])
-            new = [p.detach() for p in (fresh.w1, fresh.b1, fresh.w2, fresh.b2)]
+            w2 = weights[p + "experts.w2"]
+            fresh = EXPERT_KINDS[cfg.get("moe_expert_kind") or "ffn"](add, w2.shape[2], w2.shape[1])
+            new = [getattr(fresh, k).detach() for k in keys]
             rows = GATES["linear"](gate.shape[1], add).weight.detach().to(gate.dtype)
-        for key, t, extra in zip(("w1", "b1", "w2", "b2"), (w1, b1, w2, b2), new):
+        for key, t, extra in zip(keys, tensors, new):
             weights[p + f"experts.{key}"] = torch.cat([t, extra.to(t.dtype)])
         weights[p + "gate.weight"] = torch.cat([gate, rows])
         bias = weights.get(p + "routing_bias", torch.zeros(E))

@@ -12,8 +12,9 @@ from . import backend
 SKEWS = (0.0, 0.5, 1.0)  # input set s adds a per-expert logit bias of std SKEWS[s % 3]: load imbalance
 
 
-def make_inputs(ref, E, T, d, k, dtype, device, seed, empty_expert=False, f=None):
-    """One input set (a dict of leaves that require grad); with f, also expert weights w1, b1, w2, b2."""
+def make_inputs(ref, E, T, d, k, dtype, device, seed, empty_expert=False, f=None, activation=None):
+    """One input set (a dict of leaves that require grad); with f, also expert weights w1, b1, w2, b2 (activation
+    "swiglu": w1 [E, d, 2f], and no biases: b1 and b2 None)."""
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(T, E, generator=g, device=device)  # [T, E] fp32
     logits += SKEWS[seed % len(SKEWS)] * torch.randn(E, generator=g, device=device)
@@ -26,10 +27,13 @@ def make_inputs(ref, E, T, d, k, dtype, device, seed, empty_expert=False, f=None
          "logits": logits, "x": x, "rows": x[order % T],  # rows: [N, d], sorted by expert
          "row_weights": weights.t().reshape(-1)[order]}  # [N] fp32, the weight of each sorted row
     if f is not None:
-        for name, shape in (("w1", (E, d, f)), ("b1", (E, f)), ("w2", (E, f, d)), ("b2", (E, d))):
-            I[name] = torch.randn(*shape, generator=g, device=device, dtype=dtype) / shape[-2 if name[0] == "w" else -1] ** 0.5
+        swiglu = activation == "swiglu"
+        for name, shape in (("w1", (E, d, 2 * f if swiglu else f)), ("b1", (E, f)), ("w2", (E, f, d)),
+                            ("b2", (E, d))):
+            I[name] = None if swiglu and name[0] == "b" else \
+                torch.randn(*shape, generator=g, device=device, dtype=dtype) / shape[-2 if name[0] == "w" else -1] ** 0.5
     for n in ("logits", "x", "rows", "row_weights", "w1", "b1", "w2", "b2"):
-        if n in I:
+        if I.get(n) is not None:
             I[n].requires_grad_()
     return I
 

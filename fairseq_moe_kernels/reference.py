@@ -2,6 +2,10 @@
 
 Legend: T tokens, N = kept assignments (rows sorted by expert), d model dim, f ffn dim, E experts,
 k choices per token.
+The expert MLPs take an activation: relu, gelu or silu (act(x W1 + b1) W2 + b2), or swiglu (Shazeer 2020, the
+experts of Mixtral, Qwen-MoE, OLMoE, DeepSeek): W1 is [E, d, 2f], its first f columns the gate's and its last f
+the up projection's, and the expert computes (silu(x W1[:, :f]) * x W1[:, f:]) W2. Either bias may be None (no
+bias: swiglu experts have none).
 These are also the CPU implementation, so they are written for speed where it is cheap to:
 the grouped MLP has a hand-written backward that writes each expert's weight gradient into one
 preallocated [E, ...] buffer, on the CPU a large one kept across steps (grad_buffers.py). (Autograd through
@@ -70,7 +74,23 @@ def unpermute(rows, token_index, weights, num_tokens):
     return out.index_add(0, token_index, rows * weights.to(rows.dtype).unsqueeze(1))
 
 
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+
+
+def act_width(w1, activation):
+    """f, the width fc2 reads, of fc1 weights w1 [E, d, f] (swiglu: [E, d, 2f])."""
+    f = w1.shape[-1]
+    if activation != "swiglu":
+        return f
+    if f % 2:
+        raise ValueError(f"swiglu experts' fc1 weights are [E, d, 2f] (gate, then up): got an odd width {f}")
+    return f // 2
+
+
 def _activate(h, activation):
+    if activation == "swiglu":
+        f = h.shape[-1] // 2
+        return F.silu(h[..., :f]) * h[..., f:]
     if activation == "relu":
         return F.relu(h)
     if activation == "gelu":
@@ -84,6 +104,11 @@ def _activation_grad(h, grad, activation):
     """d activation(h) / dh times grad, without keeping a graph from the forward."""
     if activation == "relu":
         return grad * (h > 0).to(grad.dtype)
+    if activation == "swiglu":  # silu(g) * u: d/dg = u * s * (1 + g * (1 - s)) with s = sigmoid(g), d/du = silu(g)
+        f = h.shape[-1] // 2
+        g, u = h[..., :f], h[..., f:]
+        sig = torch.sigmoid(g)
+        return torch.cat([grad * u * sig * (1 + g * (1 - sig)), grad * g * sig], -1)
     with torch.enable_grad():
         h = h.detach().requires_grad_(True)
         (dh,) = torch.autograd.grad(_activate(h, activation), h, grad)
@@ -100,10 +125,13 @@ def _blocks(counts):
 
 
 def _fc1_act(x, sizes, w1, b1, activation, dropout_p):
-    """-> (a [N, f] what fc2 reads, saved [N, f] what backward needs, dropout mask or None)."""
-    h = grad_buffers.rows(w1, x.shape[0], w1.shape[2], x.dtype)  # [N, f]
+    """-> (a [N, f] what fc2 reads, saved what backward needs ([N, f]; swiglu: [N, 2f]), dropout mask or None)."""
+    h = grad_buffers.rows(w1, x.shape[0], w1.shape[2], x.dtype)  # [N, f] (swiglu: [N, 2f])
     for e, s, t in _blocks(sizes):
-        torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
+        if b1 is None:
+            torch.mm(x[s:t], w1[e], out=h[s:t])
+        else:
+            torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
     # relu: keep its output (its derivative is output > 0); otherwise keep the pre-activation.
     a = F.relu(h, inplace=True) if activation == "relu" else _activate(h, activation)
     saved = a if activation == "relu" else h
@@ -117,7 +145,10 @@ def _fc1_act(x, sizes, w1, b1, activation, dropout_p):
 def _fc2(a, sizes, w2, b2):
     y = a.new_empty(a.shape[0], w2.shape[2])  # [N, d]
     for e, s, t in _blocks(sizes):
-        torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+        if b2 is None:
+            torch.mm(a[s:t], w2[e], out=y[s:t])
+        else:
+            torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
     return y
 
 
@@ -258,7 +289,7 @@ class _MoEMLP(torch.autograd.Function):
         gwt = None
         if need_wt:
             gwt = _row_dots(da, a)  # <g W2^T, a> ...
-            for e, s, t in _blocks(sizes):
+            for e, s, t in _blocks(sizes) if b2 is not None else ():
                 gwt[s:t] += g[s:t] @ b2[e]  # ... + <g, b2>
             gwt = gwt.to(weights.dtype)
         da.mul_(w)
@@ -277,13 +308,14 @@ def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", 
     """The experts of an MoE layer on its own tokens: sum_n weights[n] * expert(x[token_index[n]]).
 
     x: [T, d]; token_index: [N] long, rows sorted by expert (expert e owns counts[e] consecutive
-    rows); weights: [N] routing weights; w1: [E, d, f], b1: [E, f], w2: [E, f, d], b2: [E, d]
-    -> [T, d] (zeros for tokens with no row). Equals unpermute(grouped_mlp(permute(x, ...)), ...).
+    rows); weights: [N] routing weights; w1: [E, d, f] (swiglu: [E, d, 2f]), b1: [E, f] or None, w2: [E, f, d],
+    b2: [E, d] or None -> [T, d] (zeros for tokens with no row). Equals unpermute(grouped_mlp(permute(x, ...)), ...).
     rows_per_token: the most rows any token has, where the caller knows a bound without reading the device (top-k:
     k); the Triton kernel sizes its per-token slots by it (else it reads the largest), this one needs none.
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
+    check_shapes(w1, b1, w2, b2, activation)
     return _MoEMLP.apply(x, token_index, weights, counts, w1, b1, w2, b2, activation, float(dropout_p))
 
 
@@ -291,9 +323,22 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     """fc2(act(fc1(x))) with one weight set per contiguous block of rows.
 
     x: [N, d] rows sorted by expert; counts: [E] long, rows per expert (sums to N);
-    w1: [E, d, f], b1: [E, f], w2: [E, f, d], b2: [E, d] -> [N, d].
+    w1: [E, d, f] (swiglu: [E, d, 2f]), b1: [E, f] or None, w2: [E, f, d], b2: [E, d] or None -> [N, d].
     dropout_p: activation dropout between the two GEMMs (pass 0 at eval).
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [N, d], w1: [E, d, f]"
     assert counts.numel() == w1.shape[0] == w2.shape[0], "one count per expert"
+    check_shapes(w1, b1, w2, b2, activation)
     return _GroupedMLP.apply(x, counts, w1, b1, w2, b2, activation, float(dropout_p))
+
+
+def check_shapes(w1, b1, w2, b2, activation):
+    """The expert weights' shapes against each other and the activation (ValueError naming the mismatch)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r} (one of {', '.join(ACTIVATIONS)})")
+    E, d, f = w1.shape[0], w1.shape[1], act_width(w1, activation)
+    expected = {"w2": (w2, (E, f, d)), "b1": (b1, (E, w1.shape[2])), "b2": (b2, (E, d))}
+    for name, (t, shape) in expected.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"expert weights: {name} is {tuple(t.shape)}, expected {shape} beside w1 "
+                             f"{tuple(w1.shape)} ({activation})")

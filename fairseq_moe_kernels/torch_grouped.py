@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .reference import _activate, _sizes, permute, unpermute
+from .reference import _activate, _sizes, act_width, check_shapes, permute, unpermute
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -33,7 +33,13 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _grouped(x, w, offs, bias, expert_of_row):
     y = _ContiguousGrad.apply(F.grouped_mm(x, w, offs=offs))
-    return y + bias.index_select(0, expert_of_row)
+    return y if bias is None else y + bias.index_select(0, expert_of_row)
+
+
+def _pad_last(t, width, to, swiglu):
+    """t's last dimension (f, or swiglu's gate and up halves each) padded with zeros from width to `to`."""
+    parts = t.split(width, -1) if swiglu else (t,)
+    return torch.cat([F.pad(p, (0, to - width)) for p in parts], -1)
 
 
 def _aligned(n, element_size):
@@ -46,10 +52,11 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     """fc2(act(fc1(x))) with one weight set per contiguous block of rows (see reference.grouped_mlp)."""
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [N, d], w1: [E, d, f]"
     assert counts.numel() == w1.shape[0] == w2.shape[0], "one count per expert"
+    check_shapes(w1, b1, w2, b2, activation)
     _sizes(counts, x.shape[0])
     if x.shape[0] == 0:  # (no rows: a GEMM of nothing; the weights get zero gradients, and x stays in the graph,
         # so that a rank whose experts got no rows still runs the backward of the all-to-all that brought them)
-        return x.new_zeros(0, w2.shape[2]) + 0 * (x.sum() + w1.sum() + b1.sum() + w2.sum() + b2.sum())
+        return x.new_zeros(0, w2.shape[2]) + 0 * sum(t.sum() for t in (x, w1, b1, w2, b2) if t is not None)
     if x.shape[0] >= 2 ** 31:
         raise ValueError(f"grouped_mm's offsets are int32: {x.shape[0]} rows are too many; use --moe-kernel-backend "
                          f"torch")
@@ -57,14 +64,16 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     offs = counts.cumsum(0).to(torch.int32)
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
                                             output_size=x.shape[0])
-    d, f = w1.shape[1], w1.shape[2]
+    swiglu = activation == "swiglu"
+    d, f = w1.shape[1], act_width(w1, activation)
     dp, fp = _aligned(d, x.element_size()), _aligned(f, x.element_size())
-    if (dp, fp) != (d, f):  # zeros to 16-byte rows (they add nothing: act(0) = 0 for relu, gelu and silu)
-        x, w1, b1 = F.pad(x, (0, dp - d)), F.pad(w1, (0, fp - f, 0, dp - d)), F.pad(b1, (0, fp - f))
-        w2, b2 = F.pad(w2, (0, dp - d, 0, fp - f)), F.pad(b2, (0, dp - d))
+    if (dp, fp) != (d, f):  # zeros to 16-byte rows (they add nothing: act(0) = 0 for relu, gelu, silu and swiglu)
+        x, w1 = F.pad(x, (0, dp - d)), _pad_last(F.pad(w1, (0, 0, 0, dp - d)), f, fp, swiglu)
+        b1 = None if b1 is None else _pad_last(b1, f, fp, swiglu)
+        w2, b2 = F.pad(w2, (0, dp - d, 0, fp - f)), None if b2 is None else F.pad(b2, (0, dp - d))
     h = _grouped(x.contiguous(), w1.contiguous(), offs, b1, expert_of_row)
-    if fp != f:
-        h = h[:, :f]  # (the mask is drawn on [N, f], as the reference draws it)
+    if fp != f:  # (the mask is drawn on [N, f], as the reference draws it)
+        h = torch.cat([h[:, :f], h[:, fp:fp + f]], 1) if swiglu else h[:, :f]
     a = _activate(h, activation)
     if dropout_p > 0:
         mask = torch.rand_like(a) >= dropout_p

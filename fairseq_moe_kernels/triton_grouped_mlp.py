@@ -389,7 +389,10 @@ class _MoEMLP(torch.autograd.Function):
         return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None, None
 
 
-def _check(x, w1, w2, activation):
+def _check(x, w1, w2, activation, b1=0, b2=0):
+    if activation == "swiglu" or b1 is None or b2 is None:
+        raise ValueError("the Triton MLP runs experts with biases and relu, gelu or silu, not yet swiglu experts "
+                         "(--moe-expert-kind swiglu): use --moe-kernel-backend torch or grouped_mm")
     assert x.dtype == w1.dtype == w2.dtype, "x and the expert weights share one dtype"
     if x.dtype not in _DTYPES:
         raise TypeError(f"the Triton MLP takes fp16, bf16 or fp32, not {x.dtype}: use the torch backend")
@@ -408,7 +411,7 @@ def moe_mlp(x, token_index, weights, counts, w1, b1, w2, b2, activation="relu", 
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [T, d], w1: [E, d, f]"
     assert token_index.shape == weights.shape and counts.numel() == w1.shape[0], "one count per expert"
-    _check(x, w1, w2, activation)
+    _check(x, w1, w2, activation, b1, b2)
     # The kernels read token_index and weights at unit stride: a strided view would be misread.
     return _MoEMLP.apply(x, token_index.contiguous(), weights.contiguous(), counts, w1, b1, w2, b2, activation,
                          float(dropout_p), rows_per_token)
@@ -422,5 +425,5 @@ def grouped_mlp(x, counts, w1, b1, w2, b2, activation="relu", dropout_p=0.0):
     """
     assert x.dim() == 2 and w1.dim() == 3 and w1.shape[1] == x.shape[1], "x: [N, d], w1: [E, d, f]"
     assert counts.numel() == w1.shape[0] == w2.shape[0], "one count per expert"
-    _check(x, w1, w2, activation)
+    _check(x, w1, w2, activation, b1, b2)
     return _GroupedMLP.apply(x, counts, w1, b1, w2, b2, activation, float(dropout_p))

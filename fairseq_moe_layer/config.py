@@ -14,6 +14,7 @@ from fractions import Fraction
 
 from fairseq_moe_kernels import backend as kernel_backends
 
+from .experts import EXPERT_KINDS
 from .gates import GATES, NOISES
 from .options import annotation, first_bad, flag_of, setting, settings
 from .routing import _SEALED, ROUTINGS, TopK
@@ -62,6 +63,10 @@ class LayerSettings:
         "linear", "the router, which makes each token's logits", choices=GATES)
     gate_fp32: bool = setting(True, "gate projection in fp32 (softmax and top-k are fp32 always)",
                               "--moe-gating-use-fp32", negative="--no-moe-gating-use-fp32")
+    expert_kind: str = setting(
+        "ffn", "the experts' kind: ffn, act(x W1 + b1) W2 + b2 with --activation-fn (fairseq's FFN), or swiglu, "
+               "(silu(x W1_gate) * x W1_up) W2 without biases (Mixtral, Qwen-MoE, OLMoE, DeepSeek; shared experts "
+               "too)", choices=EXPERT_KINDS)
     activation: str = setting("relu", "the experts' activation", "--activation-fn", choices=ACTIVATIONS, cli=False)
     activation_dropout: float = setting(0.0, "dropout after the experts' activation", "--activation-dropout",
                                         ge=0, lt=1, cli=False)
@@ -131,6 +136,9 @@ class LayerSettings:
                                   f"row per expert (here --moe-gate {self.gate}, --moe-routing {self.routing})")
         if self.eval_top_k is not None and self.eval_top_k > self.num_experts:
             bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")
+        if self.expert_kind != "ffn" and self.kernel_backend == "triton":
+            bad("kernel_backend", f"does not run {self.expert_kind} experts yet (--moe-expert-kind {self.expert_kind}): "
+                                  f"use torch or grouped_mm")
         if self.gate_noise == "jitter" and self.gate_noise_scale >= 1:
             bad("gate_noise_scale", "must be < 1 with jitter")
         for name in ("top_k", "eval_top_k"):

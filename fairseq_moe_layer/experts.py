@@ -1,7 +1,13 @@
-"""Experts: E two-layer MLPs, stored stacked so that one grouped GEMM serves them all.
+"""Experts: E two-layer MLPs, stored stacked so that one grouped GEMM serves them all; EXPERT_KINDS, the kinds.
 
-Layout (so weights copy to and from other libraries): w1 [E, d, f], b1 [E, f], w2 [E, f, d],
-b2 [E, d]; expert e computes act(x @ w1[e] + b1[e]) @ w2[e] + b2[e].
+Layout (so weights copy to and from other libraries):
+  ffn     w1 [E, d, f], b1 [E, f], w2 [E, f, d], b2 [E, d]; expert e computes act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]
+          (act: --activation-fn), the FFN of fairseq's transformer;
+  swiglu  w1 [E, d, 2f] (the gate's f columns, then the up projection's), w2 [E, f, d], no biases; expert e computes
+          (silu(x @ w1[e][:, :f]) * (x @ w1[e][:, f:])) @ w2[e] (Shazeer 2020; Mixtral's, Qwen-MoE's, OLMoE's experts:
+          their w1 is our gate half, w3 our up half, w2 ours, each transposed).
+A new kind is a subclass of Experts here, registered by @register_experts("name") with its help; the kernels of
+every backend take each kind's weights (fairseq_moe_kernels: the activation and the biases say the kind).
 """
 import contextlib
 import math
@@ -40,6 +46,20 @@ def autocast_off(device_type):
     return torch.autocast(device_type, enabled=False)
 
 
+EXPERT_KINDS = {}
+
+
+def register_experts(name, help):
+    """@register_experts("name", help) on an Experts subclass: EXPERT_KINDS[name] is it (--moe-expert-kind)."""
+    def wrap(cls):
+        cls.kind, cls.help = name, help
+        EXPERT_KINDS[name] = cls
+        return cls
+
+    return wrap
+
+
+@register_experts("ffn", "act(x W1 + b1) W2 + b2 with --activation-fn (fairseq's transformer FFN)")
 class Experts(nn.Module):
     """The experts this rank holds: global experts first_expert .. first_expert + num_experts - 1."""
 
@@ -50,12 +70,12 @@ class Experts(nn.Module):
         self.first_expert = first_expert
         self.total_experts = total_experts or num_experts
         self.register_load_state_dict_pre_hook(_take_local_slice)
-        self.activation = activation
+        self.activation = self.fixed_activation or activation
         self.activation_dropout = activation_dropout
-        self.w1 = nn.Parameter(torch.empty(E, d, f))
-        self.b1 = nn.Parameter(torch.empty(E, f))
+        self.w1 = nn.Parameter(torch.empty(E, d, f * self.fc1_halves))
+        self.b1 = nn.Parameter(torch.empty(E, f)) if self.biases else None
         self.w2 = nn.Parameter(torch.empty(E, f, d))
-        self.b2 = nn.Parameter(torch.empty(E, d))
+        self.b2 = nn.Parameter(torch.empty(E, d)) if self.biases else None
         for p in self.parameters() if routed else ():  # (shared, always-on experts are plain parameters)
             # fairseq's data-parallel all-reduce (legacy_ddp) and grad-norm skip parameters marked so:
             # each rank holds different experts. Marked on one rank too, so that --clip-norm measures
@@ -63,14 +83,19 @@ class Experts(nn.Module):
             p.expert = True
         self.reset_parameters()
 
+    fixed_activation = None  # (a kind whose activation is its own: not --activation-fn)
+    fc1_halves = 1  # (swiglu: w1 holds the gate and the up projection)
+    biases = True
+
     def reset_parameters(self):
-        """Each expert starts like a fresh nn.Linear pair (the dense FFN of fairseq's transformer).
+        """Each expert starts like a fresh nn.Linear pair (the dense FFN of fairseq's transformer; swiglu: W1's
+        gate and up halves each as an nn.Linear of d inputs).
 
         Expert e draws from its own generator seeded by (one draw of the global RNG) + e, so that
         its weights are the same whichever rank holds it and however many ranks share the experts:
         a model built on W ranks starts from the very weights of the same model on one rank.
         """
-        d, f = self.w1.shape[1], self.w1.shape[2]
+        d, f = self.w1.shape[1], self.w2.shape[1]
         base = int(torch.randint(0, 2**62, (), device="cpu"))  # (the global CPU generator, also under a meta device)
         if self.w1.is_meta:  # shapes only (torch.device("meta")): nothing to fill
             return
@@ -79,7 +104,7 @@ class Experts(nn.Module):
                 g = torch.Generator().manual_seed(base + self.first_expert + e)
                 for w, b, fan_in in ((self.w1, self.b1, d), (self.w2, self.b2, f)):
                     bound = 1 / math.sqrt(fan_in)
-                    for p in (w[e], b[e]):
+                    for p in (w[e],) if b is None else (w[e], b[e]):
                         p.copy_(torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 * bound - bound)
 
     @property
@@ -104,7 +129,8 @@ class Experts(nn.Module):
         custom autograd Functions and their backward too); the casts carry the gradients back to the weights'
         dtype, as autocast's own casts do."""
         dtype = self.compute_dtype(x)
-        w1, b1, w2, b2 = (grad_buffers.cast(w, dtype) for w in weights or (self.w1, self.b1, self.w2, self.b2))
+        w1, b1, w2, b2 = (None if w is None else grad_buffers.cast(w, dtype)
+                          for w in weights or (self.w1, self.b1, self.w2, self.b2))
         with autocast_off(x.device.type):
             return getattr(ops, op)(x.to(dtype), *args, w1, b1, w2, b2, self.activation, self.dropout_p(), **kwargs)
 
@@ -124,6 +150,15 @@ class Experts(nn.Module):
         (the weighted sum in that dtype, as the experts' outputs are). rows_per_token: the most rows of a token,
         where known on the host (ops.moe_mlp's)."""
         return self._run("moe_mlp", x, token_index, weights, counts, ops=ops, rows_per_token=rows_per_token)
+
+
+@register_experts("swiglu", "(silu(x W1_gate) * x W1_up) W2, no biases (Mixtral, Qwen-MoE, OLMoE, DeepSeek)")
+class SwiGLUExperts(Experts):
+    """Experts of a gated linear unit with silu: w1 [E, d, 2f] (gate, then up), w2 [E, f, d], no biases."""
+
+    fixed_activation = "swiglu"
+    fc1_halves = 2
+    biases = False
 
 
 def _take_local_slice(module, state_dict, prefix, *args):

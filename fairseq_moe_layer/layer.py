@@ -25,7 +25,7 @@ from fairseq_moe_kernels import backend, host
 
 from .comm import ExpertParallel, Plan, block_transpose_index, expert_grad_hook, send_rows
 from .config import MoEConfig
-from .experts import Experts
+from .experts import EXPERT_KINDS
 from .gates import GATES, noisy_logits
 from .losses import MoEAux, ShazeerInputs, balance_loss, gate_entropy, router_z_loss
 from .pipeline import pipelined_experts
@@ -43,6 +43,7 @@ class MoELayer(nn.Module):
         self.gate = GATES[cfg.gate](cfg.model_dim, self.policy.router_outputs(cfg), fp32=cfg.gate_fp32) \
             if self.policy.learned_router else None
         local, first = (cfg.num_experts, 0) if ep is None else (ep.num_local_experts, ep.first_expert)
+        Experts = EXPERT_KINDS[cfg.expert_kind]
         self.experts = Experts(
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
             cfg.num_experts,

@@ -62,7 +62,7 @@ class _Pipelined(torch.autograd.Function):
         degree = plan.send.shape[1]
         n = _Chunks(plan)
         index = chunk_index(plan.send)
-        weights = [w.detach().requires_grad_(w.requires_grad) for w in (w1, b1, w2, b2)]
+        weights = [None if w is None else w.detach().requires_grad_(w.requires_grad) for w in (w1, b1, w2, b2)]
         grad = any(ctx.needs_input_grad)  # at eval no chunk keeps a graph
         out = torch.empty_like(rows)
         saved, pending = [], []
@@ -92,7 +92,8 @@ class _Pipelined(torch.autograd.Function):
         ep, index, n, weights = ctx.ep, ctx.index, ctx.n, ctx.weights
         grad_out = grad_out.contiguous()
         grad_rows = torch.empty_like(grad_out)
-        grads = [torch.zeros_like(w) for w in weights]
+        grads = [None if w is None else torch.zeros_like(w) for w in weights]
+        trains = [w is not None and w.requires_grad for w in weights]  # (swiglu experts have no biases)
         pending = []
         degree = len(ctx.chunks)
         inbound = _a2a(grad_out.index_select(0, index[0]), n.send[0], n.recv[0], ep.group)
@@ -101,12 +102,12 @@ class _Pipelined(torch.autograd.Function):
             work.wait()
             if c + 1 < degree:
                 inbound = _a2a(grad_out.index_select(0, index[c + 1]), n.send[c + 1], n.recv[c + 1], ep.group)
-            wanted = [t for t in (x, *weights) if t.requires_grad]
+            wanted = [t for t, train in zip((x, *weights), (x.requires_grad, *trains)) if train]
             got = iter(torch.autograd.grad(y, wanted, g.index_select(0, order), allow_unused=True)
                        if wanted and y.requires_grad else ())
             gx = next(got) if x.requires_grad else None
-            for total, w in zip(grads, weights):
-                part = next(got) if w.requires_grad else None
+            for total, train in zip(grads, trains):
+                part = next(got) if train else None
                 if part is not None:
                     total += part
             gx = torch.zeros_like(x) if gx is None else gx
@@ -116,7 +117,7 @@ class _Pipelined(torch.autograd.Function):
             work.wait()
             grad_rows.index_copy_(0, index[c], back)
         ctx.chunks = None  # free the chunks' graphs
-        return (grad_rows, None, *(gw if w.requires_grad else None for gw, w in zip(grads, weights)), None)
+        return (grad_rows, None, *(gw if train else None for gw, train in zip(grads, trains)), None)
 
 
 def pipelined_experts(rows, plan, experts, ops):

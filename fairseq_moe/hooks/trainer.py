@@ -45,7 +45,7 @@ def expert_params(model, spread_only=False):
         if isinstance(layer, MoELayer) and (layer.ep is not None or not spread_only):
             ex = layer.experts
             out.update({f"{name}.experts.{p}": (ex.first_expert, ex.num_experts, ex.total_experts)
-                        for p in ("w1", "b1", "w2", "b2")})
+                        for p, _ in ex.named_parameters()})  # (w1, b1, w2, b2; swiglu: w1, w2)
     return out
 
 

@@ -321,3 +321,7 @@ def test_what_nllb_moe_cannot_express_is_refused_by_name(data_bin, trained_check
     run_train(train_argv(data_bin, tmp_path / "save3", "--max-update", "1", *NLLB_LIKE, "--moe-expert-count", counts))
     fails(tmp_path / "save3" / "checkpoint_last.pt", tmp_path / "hf", f"--moe-expert-count {counts} gives its MoE "
           "layers different expert counts")
+    # NllbMoe's experts are FFNs with biases: swiglu experts are refused, by the flag
+    run_train(train_argv(data_bin, tmp_path / "save4", "--max-update", "1", *NLLB_LIKE, "--moe-expert-count", str(E),
+                         "--moe-expert-kind", "swiglu"))
+    fails(tmp_path / "save4" / "checkpoint_last.pt", tmp_path / "hf", "--moe-expert-kind swiglu is not ffn")

@@ -18,10 +18,11 @@ TOP1 = ("--moe-expert-count", "4", "--moe-top-k", "1", "--moe-top1-weight", "one
 @pytest.fixture(scope="module")
 def trained(data_bin, tmp_path_factory):
     """{name: checkpoint} of 3 updates of the toy model: top-2 at a capacity (and a capacity at evaluation), top-1
-    (weight one) at a capacity, top-2 dropless."""
+    (weight one) at a capacity, top-2 dropless, top-2 at a capacity with swiglu experts (no biases)."""
     out = {}
     for name, flags in (("top2", TOP2), ("top1", TOP1), ("dropless", ("--moe-expert-count", "4",
-                                                                       "--moe-capacity-factor", "0"))):
+                                                                       "--moe-capacity-factor", "0")),
+                        ("swiglu", (*TOP2, "--moe-expert-kind", "swiglu"))):
         save = tmp_path_factory.mktemp(name)
         run_train(train_argv(data_bin, save, "--max-update", "3", "--required-batch-size-multiple", "1", *flags))
         out[name] = save / "checkpoint_last.pt"
@@ -42,7 +43,7 @@ def forwards(model, sample, training):
 
 
 @pytest.mark.parametrize("kind, add, init", [("top2", 4, "fresh"), ("top1", 4, "fresh"), ("dropless", 3, "fresh"),
-                                             ("top2", 2, "copy")])
+                                             ("top2", 2, "copy"), ("swiglu", 4, "fresh"), ("swiglu", 2, "copy")])
 def test_the_grown_model_computes_what_the_model_did(data_bin, trained, tmp_path, capsys, kind, add, init):
     out = tmp_path / "grown.pt"
     argv = [str(trained[kind]), str(out), "--add", str(add), "--init", init]

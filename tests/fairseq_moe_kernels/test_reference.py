@@ -13,6 +13,11 @@ import torch.nn.functional as F
 from fairseq_moe_kernels import grouped_mlp, permute, unpermute
 
 ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def swiglu_row(x, gate, up, down):
+    """Shazeer (2020)'s FFN_SwiGLU(x) = (Swish_1(x W) * x V) W2 on one row, W: [d, f], V: [d, f], W2: [f, d]."""
+    return (F.silu(x @ gate) * (x @ up)) @ down
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}
 COUNTS = {  # E = 5 experts, N = 37 rows
     "spread": [7, 3, 11, 9, 7],
@@ -32,6 +37,11 @@ def make(counts, d=13, f=19, dtype=torch.float64, seed=0):
 def loop_mlp(x, counts, w1, b1, w2, b2, activation):
     """Row i through expert e(i) with ordinary autograd; e(i) read off the counts."""
     experts = [e for e, n in enumerate(counts.tolist()) for _ in range(n)]
+    if activation == "swiglu":  # (w1 [E, d, 2f]: the gate's columns, then up's)
+        f = w2.shape[1]
+        return torch.stack([swiglu_row(x[i], w1[e][:, :f], w1[e][:, f:], w2[e]) for i, e in enumerate(experts)])
+    if b1 is None:  # (experts without biases)
+        return torch.stack([ACT[activation](x[i] @ w1[e]) @ w2[e] for i, e in enumerate(experts)])
     return torch.stack(
         [ACT[activation](x[i] @ w1[e] + b1[e]) @ w2[e] + b2[e] for i, e in enumerate(experts)]
     )
@@ -61,6 +71,48 @@ def test_grouped_mlp_matches_row_loop(layout, activation, dtype):
     for e, n in enumerate(COUNTS[layout]):
         if n == 0:
             assert a[1].grad[e].abs().sum() == 0 and a[4].grad[e].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])
+@pytest.mark.parametrize("layout", sorted(COUNTS))
+def test_experts_without_biases_match_the_row_loop(layout, activation, dtype):
+    """swiglu (w1 [E, d, 2f]) and an FFN without biases: output and the gradients of x, w1, w2."""
+    x, counts, w1, _, w2, _ = make(COUNTS[layout], dtype=dtype)
+    if activation == "swiglu":
+        w1 = torch.cat([w1, w1.flip(0) * 0.7], 2)  # (gate, up)
+    grad_out = torch.randn(x.shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    a, b = leaves(x, w1, w2), leaves(x, w1, w2)
+    ya = grouped_mlp(a[0], counts, a[1], None, a[2], None, activation=activation)
+    yb = loop_mlp(b[0], counts, b[1], None, b[2], None, activation)
+    torch.testing.assert_close(ya, yb, **TOL[dtype])
+    (ya * grad_out).sum().backward()
+    (yb * grad_out).sum().backward()
+    for name, p, q in zip(("x", "w1", "w2"), a, b):
+        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype], msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_swiglu_gradcheck(p):
+    x, counts, w1, _, w2, _ = make([2, 0, 3], d=3, f=4)
+    w1 = torch.cat([w1, w1 * -0.5], 2)
+    inputs = leaves(x, w1, w2)
+
+    def f(x, w1, w2):
+        torch.manual_seed(123)
+        return grouped_mlp(x, counts, w1, None, w2, None, "swiglu", p)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_expert_weights_of_another_kind_are_one_line():
+    x, counts, w1, b1, w2, b2 = make([2, 3])
+    with pytest.raises(ValueError, match=r"w2 is \(2, 19, 13\), expected \(2, 9, 13\).*swiglu"):
+        grouped_mlp(x, counts, w1[..., :18], None, w2, None, "swiglu")
+    with pytest.raises(ValueError, match="odd width 19"):
+        grouped_mlp(x, counts, w1, None, w2, None, "swiglu")
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        grouped_mlp(x, counts, w1, b1, w2, b2, "tanh")
 
 
 def test_grouped_mlp_partial_requires_grad_and_noncontiguous_x():

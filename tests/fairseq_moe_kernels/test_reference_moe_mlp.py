@@ -1,6 +1,6 @@
 """moe_mlp (gather -> grouped MLP -> weighted scatter in one op) equals its three-op composition
 permute -> grouped_mlp -> unpermute, which test_reference.py checks against per-row loops:
-output and the gradients of x, weights, w1, b1, w2, b2."""
+output and the gradients of x, weights, w1, b1, w2, b2 (swiglu: without biases)."""
 import pytest
 import torch
 
@@ -24,19 +24,22 @@ def composed(x, token_index, weights, counts, w1, b1, w2, b2, activation, p):
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [4, 1, 0, 0]])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_equals_composition(counts, activation, p):
     args = inputs(counts)
+    if activation == "swiglu":  # (w1 [E, d, 2f], no biases)
+        x, ti, w, c, w1, b1, w2, b2 = args
+        args = (x, ti, w, c, torch.cat([w1, w1.flip(2)], 2), None, w2, None)
     grads = []
     outs = []
     for fn in (moe_mlp, composed):
-        leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+        leaves = [a if a is None else a.clone().requires_grad_(a.is_floating_point()) for a in args]
         torch.manual_seed(5)  # the same dropout mask in both
         out = fn(*leaves, activation, p)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
         outs.append(out)
-        grads.append([a.grad for a in leaves if a.is_floating_point()])
+        grads.append([a.grad for a in leaves if a is not None and a.is_floating_point()])
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
     assert outs[0][-1].abs().sum() == 0  # the token with no row
     for ga, gb in zip(*grads):

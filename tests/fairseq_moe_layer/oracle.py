@@ -39,7 +39,11 @@ def expected_routing(logits, k, capacity):
 
 
 def expert_mlp(x, e, w1, b1, w2, b2, activation="relu"):
-    """Expert e on one token x [d]."""
+    """Expert e on one token x [d]. swiglu (no biases): w1[e] [d, 2f] holds the gate's columns, then the up
+    projection's; Shazeer (2020)'s (Swish_1(x W) * x V) W2."""
+    if activation == "swiglu":
+        f = w2.shape[1]
+        return (F.silu(x @ w1[e][:, :f]) * (x @ w1[e][:, f:])) @ w2[e]
     return ACT[activation](x @ w1[e] + b1[e]) @ w2[e] + b2[e]
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fairseq_moe_layer import MoEConfig, MoELayer
 from fairseq_moe_layer.comm import all_to_all, exchange_counts, expert_parallel
+from fairseq_moe_layer.experts import EXPERT_KINDS
 from fairseq_moe_layer.gates import GATES
 from fairseq_moe_layer.routing import ROUTINGS
 
@@ -67,12 +68,12 @@ def _check_all_to_all(rank, W, local_size):
 
 
 def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, kernel_backend="torch",
-                 routing="topk", normalization="world_size", shared_experts=0, gate="linear"):
+                 routing="topk", normalization="world_size", shared_experts=0, gate="linear", expert_kind="ffn"):
     """The layer with its experts spread over the ranks equals the 1-rank layer (torch kernels, fp64;
     with kernel_backend="triton" the spread layer runs the Triton kernels, fp32 in the interpreter)."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=E, top_k=k, capacity_factor=capacity_factor,
                     eval_capacity_token_fraction=-1, routing=routing, expert_grad_normalization=normalization,
-                    shared_experts=shared_experts, gate=gate)
+                    shared_experts=shared_experts, gate=gate, expert_kind=expert_kind)
     policy = ROUTINGS[routing]
     dtype, tol = (torch.float64, 1e-12) if kernel_backend == "torch" else (torch.float32, 1e-5)
     torch.manual_seed(0)
@@ -82,7 +83,8 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     spread = MoELayer(dataclasses.replace(cfg, kernel_backend=kernel_backend), ep).to(dtype)
     lo, hi = ep.first_expert, ep.first_expert + ep.num_local_experts
     # The per-expert seeding gives each rank the slice of the 1-rank init, with no copying.
-    for name in ("w1", "b1", "w2", "b2"):
+    names = [n for n, _ in full.experts.named_parameters()]  # (w1, b1, w2, b2; swiglu: w1, w2)
+    for name in names:
         assert torch.equal(getattr(spread.experts, name), getattr(full.experts, name)[lo:hi]), name
     gates = [] if full.gate is None else list(zip(full.gate.parameters(), spread.gate.parameters()))
     assert all(torch.equal(p2, p1) for p1, p2 in gates)
@@ -117,7 +119,7 @@ def _check_layer(rank, W, E, k, capacity_factor, local_size, overlap_degree=1, k
     # the other groups' through its replicas), divided by W as data parallelism averages (or, with the
     # moe branch's sqrt_world_size, by replicas * sqrt(P)).
     divisor = W if normalization == "world_size" else ep.replicas * ep.size ** 0.5
-    for name in ("w1", "b1", "w2", "b2"):
+    for name in names:
         grad = getattr(full.experts, name).grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(getattr(spread.experts, name).grad, grad[lo:hi] / divisor,
@@ -199,6 +201,12 @@ def _every_policy(names=None):
     return checks
 
 
+def _every_expert_kind():
+    """_check_layer of every expert kind in EXPERT_KINDS, dropless and at capacity, overlapped, with a shared one."""
+    return [(_check_layer, (4, 2, cf, None, overlap, "torch", "topk", "world_size", int(cf > 0), "linear", kind))
+            for kind in sorted(EXPERT_KINDS) for cf, overlap in ((0.0, 2), (1.0, 1))]
+
+
 def _every_gate(names=None):
     """_check_layer of every gate in GATES (or of those named), with top-2 routing at capacity."""
     return [(_check_layer, (4, 2, 1.0, None, 1, "torch", "topk", "world_size", 0, name))
@@ -216,6 +224,7 @@ CHECKS = {
         (_check_layer, (4, 2, 0.0, None, 2, "triton")),  # ... and in the overlapped chunks
         *_every_policy(),  # every registered routing policy, at capacity and dropless
         *_every_gate(),  # every registered gate
+        *_every_expert_kind(),  # every registered kind of expert
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
         (_check_host_reads, ()),

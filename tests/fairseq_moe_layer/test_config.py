@@ -38,6 +38,8 @@ BAD = [  # (overrides, flag the message must name)
     (dict(eval_top_k=5), "--moe-eval-top-k"),  # > E
     (dict(routing="hash", top_k=2), "--moe-top-k (top_k) must be 1 with --moe-routing hash"),
     (dict(routing="hash", top_k=1, eval_top_k=2), "--moe-eval-top-k (eval_top_k) must be 1 with --moe-routing hash"),
+    (dict(expert_kind="geglu"), "--moe-expert-kind"),
+    (dict(expert_kind="swiglu", kernel_backend="triton"), "--moe-kernel-backend (kernel_backend) does not run swiglu"),
 ]
 
 
@@ -61,6 +63,7 @@ def test_bad_value_names_its_flag(overrides, flag):
         dict(eval_capacity_token_fraction=0.0),
         dict(eval_capacity_token_fraction=1.0),
         dict(gate="cosine", activation="silu", activation_dropout=0.0),
+        dict(expert_kind="swiglu", shared_experts=1, activation_dropout=0.1),
         dict(activation="gelu", activation_dropout=0.9),
         dict(routing="expert_choice", capacity_factor=1.5),
         dict(routing="dense", capacity_factor=0.0),

@@ -3,7 +3,8 @@
 1. one expert, k=1 == a dense FFN with the same weights (outputs and gradients);
 2. dropless == capacity mode with a capacity nothing overflows (train and eval);
 3. == the per-token loop oracle (tests/fairseq_moe_layer/oracle.py) for k in {1, 2, 4}, fp32/fp64, odd T, empty
-   experts, dropless and dropping: outputs and the gradients of x, gate weight, w1, b1, w2, b2;
+   experts, dropless and dropping: outputs and the gradients of x, gate weight, w1, b1, w2, b2; and so for each
+   expert kind (swiglu: w1, w2, no biases);
 4. [B, T, d] with padding: pads give zeros, change nothing else, stay out of the losses;
    all-padding works end to end.
 Also: activation dropout is off in eval; fairseq_moe_layer imports without fairseq.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.fairseq_moe_layer.oracle import moe_oracle
+from tests.fairseq_moe_layer.oracle import expert_mlp, moe_oracle
 
 from fairseq_moe_layer import MoEConfig, MoELayer
 
@@ -133,6 +134,34 @@ def test_layer_matches_token_loop_oracle(k, capacity_factor, dtype):
     torch.testing.assert_close(y, yo.detach(), **TOL[dtype])
     grads_o = {"x": xo.grad, **{n: p[n].grad for n in PARAMS}}
     assert_grads_close(grads, grads_o, router_tol=ROUTER_TOL, **TOL[dtype])
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+@pytest.mark.parametrize("k", [1, 2])
+def test_swiglu_experts_match_the_token_loop_oracle(k, capacity_factor):
+    """--moe-expert-kind swiglu (and a swiglu shared expert): w1 [E, d, 2f], w2 [E, f, d], no biases, against the
+    oracle's per-token loop of Shazeer's FFN_SwiGLU; outputs and every gradient."""
+    layer = make_layer(top_k=k, capacity_factor=capacity_factor, expert_kind="swiglu", shared_experts=1)
+    assert layer.experts.w1.shape == (8, 12, 40) and layer.experts.w2.shape == (8, 20, 12)
+    assert layer.experts.b1 is None and layer.experts.b2 is None and layer.shared.b1 is None
+    x, g = biased_inputs(layer, 23, torch.float64)
+    layer.zero_grad()
+    xl = x.clone().requires_grad_(True)
+    y, aux = layer(xl)
+    (y * g).sum().backward()
+    p = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
+    xo = x.clone().requires_grad_(True)
+    C = layer.cfg.capacity(23, training=True)
+    e = "experts."
+    yo = moe_oracle(xo, p["gate.weight"], p[e + "w1"], None, p[e + "w2"], None, k, "swiglu", C)
+    yo = yo + torch.stack([expert_mlp(xo[t], 0, p["shared.w1"], None, p["shared.w2"], None, "swiglu")
+                           for t in range(23)])
+    (yo * g).sum().backward()
+    torch.testing.assert_close(y, yo.detach(), **TOL[torch.float64])
+    torch.testing.assert_close(xl.grad, xo.grad, **ROUTER_TOL)
+    for name, t in layer.named_parameters():
+        torch.testing.assert_close(t.grad, p[name].grad, **(ROUTER_TOL if name == "gate.weight" else
+                                                            TOL[torch.float64]), msg=name)
 
 
 def test_padding_is_skipped():
