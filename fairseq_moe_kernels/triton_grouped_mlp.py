@@ -15,6 +15,9 @@ Two kernels do all the work:
   _rows_gemm     Y[dst(n)] = epilogue(X[src(n)] @ W[e(n)]) for one block of rows of one expert e(n)
   _experts_gemm  G[e] = A[src(rows of e)]^T @ B[src(rows of e)]: weight gradients, reduced over rows
 As in the reference, only the [N, f] activation input (and the dropout mask) is kept for backward.
+swiglu (GLU): W1 is [E, d, 2f], the gate's columns then the up projection's; a block of fc1 computes both halves of
+its columns (two accumulators) and keeps both pre-activations ([N, 2f]); fc2's backward writes both halves of dh.
+Either bias may be None (swiglu experts have none).
 """
 import triton
 import triton.language as tl
@@ -22,9 +25,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import host
-from .reference import count
+from .reference import act_width, check_shapes, count
 
-_ACT = {"relu": 0, "gelu": 1, "silu": 2}
+_ACT = {"relu": 0, "gelu": 1, "silu": 2, "swiglu": 2}  # (swiglu: silu(gate) * up, GLU=True)
 # tl.dot with an fp32 accumulator: fp64 compiles in the interpreter but not for a GPU.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TUNE = not triton.knobs.runtime.interpret  # the interpreter must not autotune: fixed blocks there
@@ -64,17 +67,20 @@ def _rows_gemm(
     scale,  # [N] per-row factor (the routing weights)
     Y, dst, stride_ym,  # Y: [rows, C]; row n writes Y[dst[n]] if SCATTER else Y[n]
     saved, mask, a_out, part, stride_pm,  # [N, f] activation tensors (C == f), part: [N, f / BLOCK_N]
+    stride_sm,  # saved's row stride: f, or 2f with GLU (the gate's f columns, then the up's)
     block_expert, block_start, block_end,  # [num_blocks]: each block's expert and rows [start, end)
     K, C, keep,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr, STORE_A: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, B2_DOT: tl.constexpr, GLU: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """EPILOGUE 0: Y = (acc + bias) * scale.  (fc2 forward; x gradient of fc1)
     EPILOGUE 1: acc = h = fc1 output: Y = saved (relu(h) for relu, else h), a_out = dropout(act(h)).
-    EPILOGUE 2: acc = g W2^T: part = <acc, a> (+ <g, b2> in column block 0), Y = dh, the gradient
-    of h = act'(h) * dropout(acc * scale); a_out = a, recomputed from saved and mask."""
+    EPILOGUE 2: acc = g W2^T: part = <acc, a> (+ <g, b2> in column block 0, B2_DOT), Y = dh, the gradient
+    of h = act'(h) * dropout(acc * scale); a_out = a, recomputed from saved and mask.
+    GLU (swiglu): in EPILOGUE 1 W's columns C + j are the up projection's (a second accumulator), a = silu(gate) *
+    up, Y = saved gets both halves; in EPILOGUE 2 saved's two halves give a and Y = dh gets both halves."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
@@ -95,13 +101,17 @@ def _rows_gemm(
     x_ptrs = X + x_rows[:, None] * stride_xm + ks64[None, :] * stride_xk  # [BM, BK]
     w_ptrs = W + e * stride_we + ks64[:, None] * stride_wk + cols[None, :] * stride_wn  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GLU in EPILOGUE 1: the up projection's columns
     g_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)  # <g, b2> per row, accumulated along K = d
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-        if WEIGHT_GRAD:
+        if GLU and EPILOGUE == 1:
+            wu = tl.load(w_ptrs + C * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
+        if B2_DOT:
             bt = tl.load(bias + e * stride_be + k0 + ks, mask=k_ok, other=0.0)
             g_b2 += tl.sum(xt.to(tl.float32) * bt.to(tl.float32)[None, :], 1)
         x_ptrs += BLOCK_K * stride_xk
@@ -118,6 +128,8 @@ def _rows_gemm(
     if EPILOGUE == 1:
         a = _act(acc, ACT)
         out = acc  # what backward needs: h, or for relu its output (its derivative is output > 0)
+        if GLU:  # a = silu(gate) * up; both pre-activations kept (the up half stored below)
+            a = a * acc_u
         if ACT == 0:
             out = a
         if DROPOUT:
@@ -125,8 +137,12 @@ def _rows_gemm(
         if STORE_A:
             tl.store(a_out + f_off, a.to(a_out.dtype.element_ty), mask=ok)
     elif EPILOGUE == 2:
-        s = tl.load(saved + f_off, mask=ok, other=0.0).to(tl.float32)
+        s_off = rows[:, None] * stride_sm + cols[None, :]  # (f_off, or the gate half of a GLU's [N, 2f])
+        s = tl.load(saved + s_off, mask=ok, other=0.0).to(tl.float32)
         a = _act(s, ACT)  # relu(relu output) is itself; padding: act(0) = 0 adds nothing below
+        if GLU:
+            su = tl.load(saved + s_off + C, mask=ok, other=0.0).to(tl.float32)
+            a = a * su
         if DROPOUT:
             a = tl.where(kept, a / keep, 0.0)
         if STORE_A:
@@ -138,7 +154,11 @@ def _rows_gemm(
             acc = acc * s_row
         if DROPOUT:
             acc = tl.where(kept, acc / keep, 0.0)
-        out = _act_grad(s, acc, ACT)
+        if GLU:  # d/d gate = da * up * silu'(gate), d/d up = da * silu(gate) (stored below)
+            out = _act_grad(s, acc * su, ACT)
+            acc_u = acc * _act(s, ACT)
+        else:
+            out = _act_grad(s, acc, ACT)
     else:
         out = acc
         if HAS_SCALE:
@@ -148,6 +168,8 @@ def _rows_gemm(
     else:
         y_rows = rows
     tl.store(Y + y_rows[:, None] * stride_ym + cols[None, :], out.to(Y.dtype.element_ty), mask=ok)
+    if GLU and EPILOGUE != 0:  # the up half: its pre-activation (1), its gradient (2)
+        tl.store(Y + y_rows[:, None] * stride_ym + C + cols[None, :], acc_u.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -214,7 +236,7 @@ def _experts_configs():
 
 
 if _TUNE:  # a mode is a different kernel: tune each separately (the autotuner adds the dtypes)
-    _rows_kernel = triton.autotune(_rows_configs(), key=["K", "C", "EPILOGUE", "GATHER", "SCATTER"])(_rows_gemm)
+    _rows_kernel = triton.autotune(_rows_configs(), key=["K", "C", "EPILOGUE", "GATHER", "SCATTER", "GLU"])(_rows_gemm)
     _experts_kernel = triton.autotune(_experts_configs(), key=["I", "J", "GATHER_A", "GATHER_B"])(_experts_gemm)
     _MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _rows_configs())
 else:
@@ -274,7 +296,7 @@ def _precision(t):
 
 
 def _rows(plan, X, src, W, w_strides, Y, dst, K, C, *, bias=None, scale=None, epilogue=0, act=0,
-          saved=None, mask=None, keep=1.0, a_out=None, part=None, weight_grad=False):
+          saved=None, mask=None, keep=1.0, a_out=None, part=None, weight_grad=False, glu=False):
     """Launch _rows_gemm; returns the BLOCK_N it ran with (the width of part that was written)."""
     if plan.num_blocks == 0:
         return _MIN_BLOCK_N
@@ -282,10 +304,11 @@ def _rows(plan, X, src, W, w_strides, Y, dst, K, C, *, bias=None, scale=None, ep
     _rows_kernel[grid](
         X, src, X.stride(0), X.stride(1), W, *w_strides, bias, 0 if bias is None else bias.stride(0),
         scale, Y, dst, Y.stride(0), saved, None if mask is None else mask.view(torch.uint8), a_out, part,
-        0 if part is None else part.stride(0), *plan.table, K, C, keep,
+        0 if part is None else part.stride(0), C if saved is None else saved.stride(0), *plan.table, K, C, keep,
         GATHER=src is not None, SCATTER=dst is not None, HAS_BIAS=bias is not None and epilogue != 2,
         HAS_SCALE=scale is not None, EPILOGUE=epilogue, ACT=act, DROPOUT=mask is not None,
-        STORE_A=a_out is not None, WEIGHT_GRAD=weight_grad, PRECISION=_precision(X), BLOCK_M=_BLOCK_M,
+        STORE_A=a_out is not None, WEIGHT_GRAD=weight_grad, B2_DOT=weight_grad and bias is not None, GLU=glu,
+        PRECISION=_precision(X), BLOCK_M=_BLOCK_M,
         **({} if _TUNE else _FIXED))
     return _rows_kernel.best_config.kwargs["BLOCK_N"] if _TUNE else _FIXED["BLOCK_N"]
 
@@ -302,16 +325,21 @@ def _experts(plan, A, a_src, B, b_src, scale, G, GB):
 
 def _forward(plan, x, src, scale, out, dst, w1, b1, w2, b2, activation, p):
     """fc1 (+ gather) -> act -> dropout -> fc2 (* scale, + scatter) into out; -> (saved, mask)."""
-    N, d, f = plan.rows, w1.shape[1], w1.shape[2]
+    N, d, f, glu = plan.rows, w1.shape[1], act_width(w1, activation), activation == "swiglu"
     act = _ACT[activation]
-    saved = x.new_empty(N, f)  # [N, f]: kept for backward
-    mask = torch.rand_like(saved) >= p if p > 0 else None  # [N, f] bool, drawn as the reference does
+    saved = x.new_empty(N, w1.shape[2])  # [N, f] (GLU: [N, 2f]): kept for backward
+    mask = torch.rand((N, f), dtype=x.dtype, device=x.device) >= p if p > 0 else None  # [N, f] bool, drawn as the
+    # reference draws it (rand_like of its [N, f] activation)
     a = x.new_empty(N, f) if (mask is not None or act != 0) else None  # transient fc2 input
-    _rows(plan, x, src, w1, w1.stride(), saved, None, d, f, bias=b1.contiguous(), epilogue=1, act=act,
-          mask=mask, keep=1.0 - p, a_out=a)
-    _rows(plan, saved if a is None else a, None, w2, w2.stride(), out, dst, f, d, bias=b2.contiguous(),
+    _rows(plan, x, src, w1, w1.stride(), saved, None, d, f, bias=_contiguous(b1), epilogue=1, act=act,
+          mask=mask, keep=1.0 - p, a_out=a, glu=glu)
+    _rows(plan, saved if a is None else a, None, w2, w2.stride(), out, dst, f, d, bias=_contiguous(b2),
           scale=scale)
     return saved, mask
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()
 
 
 def _backward(plan, grad, src, scale, gx, dst, x, saved, mask, w1, w2, b2, activation, p, needs):
@@ -319,24 +347,24 @@ def _backward(plan, grad, src, scale, gx, dst, x, saved, mask, w1, w2, b2, activ
 
     -> (gx filled in when asked, gwt, gw1, gb1, gw2, gb2); gwt only when scale is the routing weights."""
     need_x, need_wt, need_w1, need_b1, need_w2, need_b2 = needs
-    N, d, f = plan.rows, w1.shape[1], w1.shape[2]
+    N, d, f, glu = plan.rows, w1.shape[1], act_width(w1, activation), activation == "swiglu"
     act = _ACT[activation]
-    dh = saved.new_empty(N, f)  # [N, f] d loss / d h
+    dh = saved.new_empty(N, w1.shape[2])  # [N, f] (GLU: [N, 2f]) d loss / d h
     a = saved.new_empty(N, f) if (need_w2 or need_b2) and (mask is not None or act != 0) else None
     part = torch.empty(N, triton.cdiv(f, _MIN_BLOCK_N), device=saved.device, dtype=torch.float32) if need_wt else None
     block_n = _rows(plan, grad, src, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dh, None, d, f,
-                    bias=b2.contiguous() if need_wt else None, scale=scale, epilogue=2, act=act,
-                    saved=saved, mask=mask, keep=1.0 - p, a_out=a, part=part, weight_grad=need_wt)
+                    bias=_contiguous(b2) if need_wt else None, scale=scale, epilogue=2, act=act,
+                    saved=saved, mask=mask, keep=1.0 - p, a_out=a, part=part, weight_grad=need_wt, glu=glu)
     gwt = part[:, :triton.cdiv(f, block_n)].sum(1) if need_wt else None  # [N]
     gw1 = gb1 = gw2 = gb2 = None
     if need_w2 or need_b2:
         gw2, gb2 = w2.new_empty(w2.shape), w2.new_empty(w2.shape[0], d) if need_b2 else None
         _experts(plan, saved if a is None else a, None, grad, src, scale, gw2, gb2)
     if need_w1 or need_b1:
-        gw1, gb1 = w1.new_empty(w1.shape), w1.new_empty(w1.shape[0], f) if need_b1 else None
+        gw1, gb1 = w1.new_empty(w1.shape), w1.new_empty(w1.shape[0], w1.shape[2]) if need_b1 else None
         _experts(plan, x, src, dh, None, None, gw1, gb1)
     if need_x:
-        _rows(plan, dh, None, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), gx, dst, f, d)
+        _rows(plan, dh, None, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), gx, dst, w1.shape[2], d)
     return gwt, gw1, gb1 if need_b1 else None, gw2 if need_w2 else None, gb2
 
 
@@ -389,10 +417,8 @@ class _MoEMLP(torch.autograd.Function):
         return gx, None, gwt, None, gw1, gb1, gw2, gb2, None, None, None
 
 
-def _check(x, w1, w2, activation, b1=0, b2=0):
-    if activation == "swiglu" or b1 is None or b2 is None:
-        raise ValueError("the Triton MLP runs experts with biases and relu, gelu or silu, not yet swiglu experts "
-                         "(--moe-expert-kind swiglu): use --moe-kernel-backend torch or grouped_mm")
+def _check(x, w1, w2, activation, b1=None, b2=None):
+    check_shapes(w1, b1, w2, b2, activation)
     assert x.dtype == w1.dtype == w2.dtype, "x and the expert weights share one dtype"
     if x.dtype not in _DTYPES:
         raise TypeError(f"the Triton MLP takes fp16, bf16 or fp32, not {x.dtype}: use the torch backend")

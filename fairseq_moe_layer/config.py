@@ -136,9 +136,6 @@ class LayerSettings:
                                   f"row per expert (here --moe-gate {self.gate}, --moe-routing {self.routing})")
         if self.eval_top_k is not None and self.eval_top_k > self.num_experts:
             bad("eval_top_k", f"must be an integer in [1, --moe-expert-count {self.num_experts}]")
-        if self.expert_kind != "ffn" and self.kernel_backend == "triton":
-            bad("kernel_backend", f"does not run {self.expert_kind} experts yet (--moe-expert-kind {self.expert_kind}): "
-                                  f"use torch or grouped_mm")
         if self.gate_noise == "jitter" and self.gate_noise_scale >= 1:
             bad("gate_noise_scale", "must be < 1 with jitter")
         for name in ("top_k", "eval_top_k"):

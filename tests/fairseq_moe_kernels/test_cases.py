@@ -32,16 +32,19 @@ def test_every_op_has_a_reference_and_a_case():
         assert callable(getattr(reference, op))
 
 
-@pytest.mark.parametrize("op", sorted(backend.OPS))
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_triton_op_equals_the_reference(op, k):
+CALLS = [(op, k, "gelu") for op in sorted(backend.OPS) for k in (1, 2, 3)] + [
+    (op, k, "swiglu") for op in ("grouped_mlp", "moe_mlp") for k in (1, 2)]  # (swiglu experts: no biases)
+
+
+@pytest.mark.parametrize("op,k,activation", CALLS)
+def test_triton_op_equals_the_reference(op, k, activation):
     pytest.importorskip("triton")
     triton_ops = backend.ops("triton")
     I = make_inputs(reference, E=5, T=11, d=7, k=k, dtype=torch.float32, device=DEVICE, seed=k,
-                    empty_expert=True, f=9)
+                    empty_expert=True, f=9, activation=activation)
     call, diff = CASES[op]
-    want_out, want_grads = outputs_and_grads(call, reference, fresh(I), diff, "gelu")
-    got_out, got_grads = outputs_and_grads(call, triton_ops, fresh(I), diff, "gelu")
+    want_out, want_grads = outputs_and_grads(call, reference, fresh(I), diff, activation)
+    got_out, got_grads = outputs_and_grads(call, triton_ops, fresh(I), diff, activation)
     assert len(got_out) == len(want_out)
     for got, want in zip(got_out, want_out):  # expert ids, counts and row order exactly; values to rounding
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5) if want.is_floating_point() else \

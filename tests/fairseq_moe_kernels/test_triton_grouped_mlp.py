@@ -1,7 +1,7 @@
 """fairseq_moe_kernels/triton_grouped_mlp.py against fairseq_moe_kernels/reference.py (the ground truth).
 
 grouped_mlp and moe_mlp: the output and the gradient of every floating input (x, the routing
-weights, w1, b1, w2, b2) equal the reference's, for relu/gelu/silu, odd sizes (T, N not multiples
+weights, w1, b1, w2, b2) equal the reference's, for relu/gelu/silu and swiglu (no biases), odd sizes (T, N not multiples
 of the row block, d and f not powers of two), empty experts, one expert holding every row, k in
 {1, 2, 4} rows per token with tokens that keep no row, and activation dropout with a shared seed
 (the mask is the reference's, bit for bit). Also: partial requires_grad with a strided x, strided
@@ -74,11 +74,11 @@ def routed(T, E, k, empty=(), only=None, capacity=None, seed=0):
 def run(fn, args, grad_seed=1, **kw):
     """fn(*args) and the gradients of its floating tensor args under a fixed random output gradient;
     the torch seed is reset first so that both ops draw the same dropout mask."""
-    leaves = [a.detach().clone().requires_grad_(True) if a.is_floating_point() else a for a in args]
+    leaves = [a.detach().clone().requires_grad_(True) if a is not None and a.is_floating_point() else a for a in args]
     torch.manual_seed(7)
     out = fn(*leaves, **kw)
     out.backward(torch.randn(out.shape, generator=gen(grad_seed)).to(out))
-    return out, [a.grad for a in leaves if a.is_floating_point()]
+    return out, [a.grad for a in leaves if a is not None and a.is_floating_point()]
 
 
 def assert_same(ours, ref, names, **tol):
@@ -123,6 +123,24 @@ def test_moe_mlp_matches_reference(route, activation):
     dropped = rows_per_token == 0
     assert dropped.any() == ("capacity" in MOE_ROUTES[route][3])
     assert ours[0][dropped].abs().sum() == 0  # tokens that kept no row get zeros
+
+
+def swiglu(args):
+    """args with swiglu experts: w1 [E, d, 2f] (gate, then up), w2, no biases."""
+    w1, _, w2, _ = args[-4:]
+    return [*args[:-4], torch.cat([w1, w1.flip(0) * 0.8], 2), None, w2, None]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_swiglu_experts_match_the_reference(p):
+    """swiglu (both halves of W1 in one block, both kept; both halves of dh written), without biases, with and
+    without activation dropout (the reference's mask): grouped_mlp and moe_mlp, output and every gradient."""
+    args = swiglu(grouped_args(GROUPED_COUNTS["first_and_last_empty"]))
+    assert_same(run(tri.grouped_mlp, args, activation="swiglu", dropout_p=p),
+                run(reference.grouped_mlp, args, activation="swiglu", dropout_p=p), ["x", "w1", "w2"])
+    args = swiglu(moe_args("k2_capacity_drops"))
+    assert_same(run(tri.moe_mlp, args, activation="swiglu", dropout_p=p),
+                run(reference.moe_mlp, args, activation="swiglu", dropout_p=p), ["x", "weights", "w1", "w2"])
 
 
 def test_moe_mlp_slots_sized_by_the_callers_bound():
@@ -291,7 +309,7 @@ for mod, names in ((tri, ["_rows_kernel", "_experts_kernel"]), (tp, ["_gather_ro
 def mlp(fn, dtype, activation, p):  # d, f multiples of 16 like real sizes (Triton specialises on it)
     T, d, f, counts = 48, 64, 96, torch.tensor([40, 0, 56])
     g = lambda *s: torch.randn(*s, dtype=dtype).requires_grad_()
-    ws = [g(3, d, f), g(3, f), g(3, f, d), g(3, d)]
+    ws = [g(3, d, 2 * f), None, g(3, f, d), None] if activation == "swiglu" else [g(3, d, f), g(3, f), g(3, f, d), g(3, d)]
     if fn is tri.moe_mlp:
         y = fn(g(T, d), torch.arange(T).repeat(2), torch.rand(2 * T).requires_grad_(), counts, *ws, activation, p)
     else:
@@ -299,6 +317,7 @@ def mlp(fn, dtype, activation, p):  # d, f multiples of 16 like real sizes (Trit
     y.backward(torch.ones_like(y))
 
 mlp(tri.moe_mlp, torch.bfloat16, "gelu", 0.1)  # a training step's launches, each with every config
+mlp(tri.moe_mlp, torch.bfloat16, "swiglu", 0.1)  # (GLU: two accumulators and W tiles in fc1's blocks)
 every_config = False
 mlp(tri.grouped_mlp, torch.bfloat16, "relu", 0.0)
 mlp(tri.moe_mlp, torch.float32, "silu", 0.0)  # "ieee" dots

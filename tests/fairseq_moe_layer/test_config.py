@@ -39,7 +39,6 @@ BAD = [  # (overrides, flag the message must name)
     (dict(routing="hash", top_k=2), "--moe-top-k (top_k) must be 1 with --moe-routing hash"),
     (dict(routing="hash", top_k=1, eval_top_k=2), "--moe-eval-top-k (eval_top_k) must be 1 with --moe-routing hash"),
     (dict(expert_kind="geglu"), "--moe-expert-kind"),
-    (dict(expert_kind="swiglu", kernel_backend="triton"), "--moe-kernel-backend (kernel_backend) does not run swiglu"),
 ]
 
 
