@@ -105,10 +105,11 @@ def _activation_grad(h, grad, activation):
     if activation == "relu":
         return grad * (h > 0).to(grad.dtype)
     if activation == "swiglu":  # silu(g) * u: d/dg = u * s * (1 + g * (1 - s)) with s = sigmoid(g), d/du = silu(g)
-        f = h.shape[-1] // 2
-        g, u = h[..., :f], h[..., f:]
+        f = h.shape[-1] // 2  # (in fp32, rounded once, as autograd's silu backward and the Triton kernel compute)
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        g, u, grad32 = h[..., :f].to(wide), h[..., f:].to(wide), grad.to(wide)
         sig = torch.sigmoid(g)
-        return torch.cat([grad * u * sig * (1 + g * (1 - sig)), grad * g * sig], -1)
+        return torch.cat([grad32 * u * sig * (1 + g * (1 - sig)), grad32 * g * sig], -1).to(grad.dtype)
     with torch.enable_grad():
         h = h.detach().requires_grad_(True)
         (dh,) = torch.autograd.grad(_activate(h, activation), h, grad)

@@ -129,6 +129,8 @@ def _rows_gemm(
         a = _act(acc, ACT)
         out = acc  # what backward needs: h, or for relu its output (its derivative is output > 0)
         if GLU:  # a = silu(gate) * up; both pre-activations kept (the up half stored below)
+            if HAS_BIAS:  # (the up half's bias: columns C + j of b1)
+                acc_u += tl.load(bias + e * stride_be + C + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             a = a * acc_u
         if ACT == 0:
             out = a

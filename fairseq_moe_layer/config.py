@@ -66,7 +66,7 @@ class LayerSettings:
     expert_kind: str = setting(
         "ffn", "the experts' kind: ffn, act(x W1 + b1) W2 + b2 with --activation-fn (fairseq's FFN), or swiglu, "
                "(silu(x W1_gate) * x W1_up) W2 without biases (Mixtral, Qwen-MoE, OLMoE, DeepSeek; shared experts "
-               "too)", choices=EXPERT_KINDS)
+               "too; --activation-fn then sets only the dense FFNs)", choices=EXPERT_KINDS)
     activation: str = setting("relu", "the experts' activation", "--activation-fn", choices=ACTIVATIONS, cli=False)
     activation_dropout: float = setting(0.0, "dropout after the experts' activation", "--activation-dropout",
                                         ge=0, lt=1, cli=False)

@@ -8,6 +8,7 @@ import logging
 from . import sets as shards
 from ..errors import CheckpointError
 from fairseq_moe_layer.config import MoEConfig
+from fairseq_moe_layer.experts import EXPERT_KINDS
 from fairseq_moe_layer.options import dest_of, flag_of, settings
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,19 @@ def check_expert_layout(saved, model, path):
                                   f"with --moe-expert-count {expert_count_flag(saved)}, or train into another "
                                   f"--save-dir")
     layers, mine = (sorted({n.rsplit(".", 2)[0] for n in names}) for names in (saved, model))
+    if layers == mine:  # the same layers and counts, other expert tensors: another kind of expert
+        was, now = (_expert_kind({n.rsplit(".", 1)[1] for n in names}) for names in (saved, model))
+        raise CheckpointError(f"{path} was saved with --moe-expert-kind {was}; this model has --moe-expert-kind "
+                              f"{now}. Resume with --moe-expert-kind {was}, or train into another --save-dir")
     raise CheckpointError(f"{path} has MoE layers {layers}; this model has {mine} (--moe-freq, "
                           f"--encoder/decoder-moe-freq and the layer counts must match the saved run's)")
 
+
+
+def _expert_kind(tensors):
+    """The expert kind (EXPERT_KINDS) whose experts hold these tensors (w1, w2, and b1, b2 where it has biases)."""
+    kinds = [k for k, cls in EXPERT_KINDS.items() if tensors == {"w1", "w2"} | ({"b1", "b2"} if cls.biases else set())]
+    return kinds[0] if kinds else "of tensors " + ", ".join(sorted(tensors))
 
 
 def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg=None, log=False):
@@ -103,7 +114,8 @@ def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg
 
 # Of the model's flags: those that decide which weights its MoE layers hold (names and shapes), with the
 # model's sizes; and those that choose only how a layer runs, not what it computes or learns (never named).
-STRUCTURAL = {"moe_expert_count", "moe_expert_ffn_dim", "moe_shared_expert_count", "moe_routing", "moe_gate",
+STRUCTURAL = {"moe_expert_count", "moe_expert_ffn_dim", "moe_expert_kind", "moe_shared_expert_count", "moe_routing",
+              "moe_gate",
               "moe_soft_slots", "moe_freq", "encoder_moe_freq", "decoder_moe_freq", "encoder_embed_dim",
               "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_layers", "decoder_layers"}
 EXECUTION = {"moe_kernel_backend", "moe_a2a_local_size", "moe_a2a_overlap_degree"}

@@ -141,6 +141,11 @@ def test_swiglu_experts_match_the_reference(p):
     args = swiglu(moe_args("k2_capacity_drops"))
     assert_same(run(tri.moe_mlp, args, activation="swiglu", dropout_p=p),
                 run(reference.moe_mlp, args, activation="swiglu", dropout_p=p), ["x", "weights", "w1", "w2"])
+    # with biases (no kind has them today; the kernels take them): b1 [E, 2f] over both halves, b2
+    args[-3], args[-1] = torch.randn(5, 2 * F, generator=gen(3)).to(DEVICE), torch.randn(5, D, generator=gen(4)).to(DEVICE)
+    assert_same(run(tri.moe_mlp, args, activation="swiglu", dropout_p=p),
+                run(reference.moe_mlp, args, activation="swiglu", dropout_p=p),
+                ["x", "weights", "w1", "b1", "w2", "b2"])
 
 
 def test_moe_mlp_slots_sized_by_the_callers_bound():

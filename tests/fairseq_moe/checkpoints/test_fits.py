@@ -33,6 +33,16 @@ def test_other_weights_are_named_by_their_flags(data_bin, trained_checkpoint, tm
     assert not (tmp_path / "x" / "checkpoint_last.pt").exists()
 
 
+def test_another_expert_kind_is_named_by_its_flag(data_bin, trained_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError) as e:
+        run_train(train_argv(data_bin, tmp_path / "x", *ARGS, "--restore-file", str(trained_checkpoint),
+                             "--moe-expert-kind", "swiglu"))
+    assert str(e.value) == (f"{trained_checkpoint} was saved with --moe-expert-kind ffn; this model has "
+                            f"--moe-expert-kind swiglu. Resume with --moe-expert-kind ffn, or train into another "
+                            f"--save-dir")
+    assert not (tmp_path / "x" / "checkpoint_last.pt").exists()
+
+
 def test_routing_flags_changed_on_resume_are_one_log_line(data_bin, trained_checkpoint, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="fairseq_moe.checkpoints.fits")
     run_train(train_argv(data_bin, tmp_path / "x", *ARGS, "--restore-file", str(trained_checkpoint),
