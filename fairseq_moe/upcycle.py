@@ -12,6 +12,15 @@ a new linear gate starts) or zero; every other weight is the dense model's. With
 --top1-weight one, and no noise, the weights of a token's experts sum to one and the MoE model computes
 exactly what the dense one did (until its first update): OUT.pt generates (or evaluates) like DENSE.pt.
 
+Granular upcycling (--granularity G; Megatron-Core's --moe-upcycling-granularity, He et al. 2024): each FFN of
+width f is cut along its hidden units into G slices of width f / G, and E / G copies of the FFN become E experts,
+expert e holding slice e % G of copy e // G; the router row of a copy is repeated for its G slices, so those tie,
+and --top-k K (a multiple of G) chooses K / G whole copies. Each slice's fc2 is multiplied by G and keeps the whole
+fc2 bias: a copy's G slices, each weighted 1 / G of its copy's renormalised weight, then sum to the FFN, whatever the
+activation (Megatron scales fc1 and fc2 by roots of G: exact for ReLU, not for GELU or SiLU), so the upcycled model
+computes the dense one exactly (with a fresh random router: distinct copies, no ties between them). The experts'
+width is f / G: continue with --moe-expert-ffn-dim f/G and --moe-top-k K.
+
 OUT.pt is a moe_transformer / moe_transformer_lm checkpoint of the moe_translation / moe_language_modeling
 task, dropless at validation and generation (--moe-eval-capacity-token-fraction 0). It holds no optimizer
 state (Adam's moments of one FFN are not those of E experts): continue training with
@@ -83,12 +92,19 @@ def read_dense(path):
     return state, model, name, MODELS[name][1]
 
 
-def expert_copies(fc1_w, fc1_b, fc2_w, fc2_b, experts, noise=0.0, generator=None):
+def expert_copies(fc1_w, fc1_b, fc2_w, fc2_b, experts, noise=0.0, generator=None, granularity=1):
     """E copies of fc2(act(fc1(x))) in the Experts layout: w1 [E, d, f], b1 [E, f], w2 [E, f, d], b2 [E, d]
-    (each weight times 1 + noise * N(0, 1), drawn per copy, when noise > 0)."""
+    (each weight times 1 + noise * N(0, 1), drawn per copy, when noise > 0). granularity G: E / G copies, each cut
+    into G experts of width f / G (expert e: slice e % G of copy e // G), each slice's fc2 times G with the whole
+    fc2 bias: the G slices of a copy, each weighted 1 / G, sum to the FFN."""
+    G = granularity
+    width = fc1_w.shape[0] // G
+    cut = lambda t, dim: torch.stack(t.split(width, dim))  # noqa: E731  [G, ...]: the slices of one copy
+    one = {"w1": cut(fc1_w.t(), 1), "b1": cut(fc1_b, 0), "w2": cut(fc2_w.t(), 0) * G if G > 1 else cut(fc2_w.t(), 0),
+           "b2": fc2_b.unsqueeze(0).repeat(G, 1)}
     out = {}
-    for name, t in (("w1", fc1_w.t()), ("b1", fc1_b), ("w2", fc2_w.t()), ("b2", fc2_b)):
-        copies = t.unsqueeze(0).repeat(experts, *([1] * t.dim())).contiguous()
+    for name, t in one.items():
+        copies = t.repeat(experts // G, *([1] * (t.dim() - 1))).contiguous()
         if noise:
             jitter = torch.randn(copies.shape, generator=generator, dtype=torch.float32)
             copies = (copies.float() * (1 + noise * jitter)).to(t.dtype)
@@ -106,9 +122,12 @@ def router_weights(experts, model_dim, router, generator):
 
 
 def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=0, top_k=2, top1_weight="prob",
-            router="random", noise=0.0, seed=1):
+            router="random", noise=0.0, seed=1, granularity=1):
     """Write OUT from DENSE (see the module's doc); returns {MoE layer: E}. experts: one count for every MoE layer,
     or one per MoE layer (a list, or "4,8": encoder layers first)."""
+    G = granularity
+    if G < 1:
+        raise FlagError(f"--granularity {G}: must be >= 1")
     try:
         counts = expert_counts(experts)
     except ValueError as e:
@@ -119,6 +138,13 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
         raise FlagError("--moe-freq, --encoder-moe-freq and --decoder-moe-freq must be >= 0")
     if not (math.isfinite(noise) and noise >= 0):
         raise FlagError(f"--noise {noise}: must be >= 0")
+    if G > 1:
+        if any(e % G for e in counts) or top_k % G:
+            raise FlagError(f"--granularity {G}: --experts ({experts}) and --top-k ({top_k}) must be multiples of it "
+                            f"(E / G copies of the FFN, each cut into G experts; K / G copies chosen per token)")
+        if router == "zero":
+            raise FlagError(f"--granularity {G} with --router zero: every copy's slices would tie with every other "
+                            f"copy's, and the top-{top_k} could take slices of no whole copy: use --router random")
     new_checkpoint(out)
     state, model_cfg, name, sides = read_dense(src)
     if "encoder" not in sides and encoder_moe_freq:
@@ -144,6 +170,14 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
         raise FlagError(f"--experts {experts} gives {len(counts)} counts for {len(chosen)} MoE layers "
                         f"({', '.join(f'{s} {i}' for s, i in chosen)}): give one count, or one per MoE layer, "
                         f"encoder layers first")
+    ffn_dims = {side: model_cfg.get(f"{side}_ffn_embed_dim") for side in sorted({s for s, _ in chosen})}
+    if G > 1 and any(f is None or f % G for f in ffn_dims.values()):
+        raise FlagError(f"--granularity {G}: the FFN width ({', '.join(f'{s} {f}' for s, f in ffn_dims.items())}) "
+                        f"must be a multiple of it (slices of f / G hidden units)")
+    if G > 1 and len(set(ffn_dims.values())) > 1:
+        widths = ", ".join(f"{s} {f}" for s, f in ffn_dims.items())
+        raise FlagError(f"--granularity {G}: the sides' FFN widths differ ({widths}), and the experts' one width "
+                        f"(--moe-expert-ffn-dim) is f / G")
     done = {}
     for (side, i), E in zip(chosen, counts):
         p = f"{side}.layers.{i}."
@@ -151,9 +185,10 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
             fc = [weights.pop(p + k) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
         except KeyError as e:
             raise CheckpointError(f"{src}: layer {p[:-1]} has no {e.args[0]} (an FFN without biases?)") from None
-        for key, t in expert_copies(*fc, E, noise, generator).items():
+        for key, t in expert_copies(*fc, E, noise, generator, G).items():
             weights[f"{p}fc1.moe.experts.{key}"] = t
-        weights[f"{p}fc1.moe.gate.weight"] = router_weights(E, fc[0].shape[1], router, generator)
+        weights[f"{p}fc1.moe.gate.weight"] = router_weights(E // G, fc[0].shape[1], router, generator) \
+            .repeat_interleave(G, 0)  # (a copy's G slices tie: their router rows are one)
         done[f"{p}fc1"] = E
 
     moe_name = MODELS[name][0]
@@ -163,9 +198,11 @@ def upcycle(src, out, experts, moe_freq=2, encoder_moe_freq=0, decoder_moe_freq=
                      moe_top1_weight=top1_weight, moe_gate="linear", moe_eval_capacity_token_fraction=0.0)
     if "encoder" in sides:
         model_cfg["encoder_moe_freq"] = encoder_moe_freq
+    if G > 1:
+        model_cfg["moe_expert_ffn_dim"] = next(iter(ffn_dims.values())) // G
     upcycled = moe_checkpoint(state, weights, model_cfg, src, {
         "what": f"upcycled from the dense {os.path.abspath(src)}", "experts": flag, "layers": sorted(done),
-        "router": router, "noise": noise, "seed": seed})
+        "router": router, "noise": noise, "seed": seed, "granularity": G})
     write_new(out, lambda save: save(upcycled, out))
     return done
 
@@ -190,9 +227,13 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.0, metavar="S",
                    help="multiply each weight of each expert copy by 1 + S * N(0, 1) (default 0: exact copies)")
     p.add_argument("--seed", type=int, default=1, help="seed of the router init and the noise")
+    p.add_argument("--granularity", type=int, default=1, metavar="G",
+                   help="granular upcycling: each FFN cut into G experts of width f / G (E / G copies; --experts and "
+                        "--top-k multiples of G; default 1: whole copies)")
     a = p.parse_args(argv)
     return run(p.prog, lambda: upcycle(a.dense, a.output, a.experts, a.moe_freq, a.encoder_moe_freq,
-                                       a.decoder_moe_freq, a.top_k, a.top1_weight, a.router, a.noise, a.seed),
+                                       a.decoder_moe_freq, a.top_k, a.top1_weight, a.router, a.noise, a.seed,
+                                       a.granularity),
                lambda done: f"{a.output}: {len(done)} MoE layers of {a.experts} experts ({', '.join(done)}); no "
                             f"optimizer state: continue with fairseq-train ... --finetune-from-model {a.output}",
                setup=safe_globals)

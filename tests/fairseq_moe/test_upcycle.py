@@ -67,7 +67,10 @@ def logits(model, task, seed=0):
     ("mt", ["--experts", "4", "--top-k", "1", "--top1-weight", "one", "--moe-freq", "1"]),
     ("lm", ["--experts", "4", "--top-k", "2", "--moe-freq", "1"]),
     ("lm", ["--experts", "3", "--top-k", "1", "--top1-weight", "one", "--router", "zero"]),
-], ids=["mt-top2", "mt-top2-per-layer", "mt-top1", "lm-top2", "lm-top1-zero-router"])
+    ("mt", ["--experts", "8", "--top-k", "4", "--granularity", "4"]),  # (2 copies, each 4 slices; 1 copy a token)
+    ("lm", ["--experts", "6", "--top-k", "4", "--granularity", "2", "--moe-freq", "1"]),  # (3 copies, 2 chosen)
+], ids=["mt-top2", "mt-top2-per-layer", "mt-top1", "lm-top2", "lm-top1-zero-router", "mt-granular-4",
+        "lm-granular-2"])
 def test_upcycled_model_computes_what_the_dense_one_did(request, tmp_path, kind, flags):
     dense = request.getfixturevalue(f"dense_{kind}")
     out = tmp_path / "moe.pt"
@@ -77,6 +80,14 @@ def test_upcycled_model_computes_what_the_dense_one_did(request, tmp_path, kind,
     if "2,6" in flags:
         assert [m.moe.experts.w1.shape[0] for n, m in b.named_modules() if n.endswith("fc1") and hasattr(m, "moe")] \
             == [2, 6]
+    if "--granularity" in flags:  # experts of f / G hidden units; a copy's G slices share one router row
+        G = int(flags[flags.index("--granularity") + 1])
+        moe = next(m.moe for n, m in b.named_modules() if n.endswith("fc1") and hasattr(m, "moe"))
+        dense_f = next(t for n, t in a.state_dict().items() if n.endswith("fc1.weight")).shape[0]
+        assert moe.experts.w1.shape[2] == dense_f // G and moe.cfg.top_k == int(flags[flags.index("--top-k") + 1])
+        rows = moe.gate.weight
+        assert all(torch.equal(rows[e], rows[e - e % G]) for e in range(rows.shape[0]))
+        assert not torch.equal(rows[0], rows[G])
     with torch.no_grad():
         torch.testing.assert_close(logits(b, task), logits(a, task), rtol=1e-5, atol=1e-5)
     # The control: copies with noise are different experts, and the model no longer computes the dense one.
@@ -141,6 +152,12 @@ def test_refusals(dense_mt, dense_lm, data_bin, lm_data_bin, tmp_path, capsys):
     fails(dense_mt, out, "--experts", "4,4,4", match="--experts 4,4,4 gives 3 counts for 2 MoE layers")
     fails(dense_mt, out, "--experts", "4,x", match="--experts '4,x' is not a count")
     fails(tmp_path / "missing.pt", out, "--experts", "2", match="missing.pt")
+    fails(dense_mt, out, "--experts", "6", "--top-k", "2", "--granularity", "4",
+          match="--granularity 4: --experts (6) and --top-k (2) must be multiples of it")
+    fails(dense_mt, out, "--experts", "4", "--top-k", "2", "--granularity", "2", "--router", "zero",
+          match="--granularity 2 with --router zero")
+    fails(dense_mt, out, "--experts", "6", "--top-k", "3", "--granularity", "3",
+          match="--granularity 3: the FFN width (decoder 64, encoder 64) must be a multiple of it")
     assert not out.exists()
     upcycle.main([str(dense_mt), str(out), "--experts", "2"])
     fails(dense_mt, out, "--experts", "2", match="exists")  # never overwritten
