@@ -169,6 +169,9 @@ class TopK(Policy):
         topk_groups=setting(
             None, "topk: each token's experts come from its M groups whose two best scores sum highest (with "
                   "--moe-expert-groups; none: all groups)", type=int, ge=1, metavar="M"),
+        routed_scaling_factor=setting(
+            1.0, "topk: the routed experts' weights (after their renormalisation) times S, DeepSeek-V3's routed "
+                 "scaling factor (2.5 there); shared experts are not scaled", gt=0, metavar="S"),
     )
 
     def check(self, cfg):
@@ -272,6 +275,8 @@ class TopK(Policy):
             masked = top_probs * kept_tk
             denom = masked.sum(-1, keepdim=True).clamp(min=torch.finfo(masked.dtype).eps)
             weights = masked / denom
+        if opt("routed_scaling_factor") != 1.0:  # (DeepSeek-V3: after the renormalisation, before the sum)
+            weights = weights * opt("routed_scaling_factor")
         flat_weights = (weights if perm is None else weights[perm]).t().reshape(-1)  # [k*T] in assignment order
         token_index = kept_order % T
         return Routing(

@@ -119,10 +119,28 @@ def test_random_token_selection():
     (dict(expert_grad_normalization="cube_root"), "--moe-normalize-expert-grad"),
     (dict(top1_weight="half"), "--moe-top1-weight"),
     (dict(top1_weight="one", routing="dense"), "--moe-top1-weight"),
+    (dict(routed_scaling_factor=0.0), "--moe-routed-scaling-factor"),
+    (dict(routed_scaling_factor=2.5, routing="hash", top_k=1), "--moe-routed-scaling-factor"),
 ])
 def test_options_name_their_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         dataclasses.replace(BASE, **overrides).validate()
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("k, capacity", [(1, 3), (2, 4), (3, None)])
+def test_routed_scaling_factor(k, capacity, score):
+    """DeepSeek-V3's routed scaling factor: the weights as without it (renormalised over the kept choices; the raw
+    score at k = 1), times S; the same choices and drops."""
+    logits = logits_for(k + 10)
+    scores = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, -1)
+    want = topk_oracle(scores / scores.sum(-1, keepdim=True) if score == "sigmoid" else scores, k, capacity)
+    r = route(logits, k, capacity, cfg=opts(top_k=k, score=score, routed_scaling_factor=2.5))
+    assert r.token_index.tolist() == want[0].tolist() and r.counts.tolist() == want[2].tolist()
+    if k > 1 or score == "softmax":  # (k = 1 with sigmoid: the raw sigmoid, not the normalised scores)
+        torch.testing.assert_close(r.weights, 2.5 * want[1].float())
+    plain = route(logits, k, capacity, cfg=opts(top_k=k, score=score))
+    torch.testing.assert_close(r.weights, 2.5 * plain.weights)
 
 
 @pytest.mark.parametrize("capacity", [3, None])
