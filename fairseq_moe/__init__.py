@@ -24,7 +24,7 @@ def load_plugin():
 
         # Importing these modules registers them with fairseq.
         from .criterions import distillation, moe_cross_entropy  # noqa: F401
-        from .models import moe_transformer, moe_transformer_lm  # noqa: F401
+        from .models import moe_mixtral_lm, moe_transformer, moe_transformer_lm  # noqa: F401
         from .tasks import moe_language_modeling, moe_translation, moe_translation_multi_simple_epoch  # noqa: F401
 
         patches.apply()
