@@ -291,3 +291,70 @@ def test_trains_and_eval_lm_scores_its_checkpoint(lm_data_bin, tmp_path):
     assert state["model"]["decoder.layers.1.fc1.moe.experts.w1"].shape == (4, 32, 128)
     result = run_eval_lm(lm_data_bin, tmp_path / "checkpoint_last.pt")
     assert float(result["loss"]) == pytest.approx(state["extra_state"]["val_loss"], abs=5.1e-4)
+
+
+def test_beam_search_scores_are_the_full_forward_log_probs(lm_data_bin, tmp_path):
+    """fairseq's SequenceGenerator (what fairseq-generate and -interactive run), beam 3 after a forced prefix: every
+    hypothesis' positional scores are the log-probabilities of the full forward of its tokens (the cache reordered
+    between the steps as the beams move)."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model = mixtral(lm_data_bin, tmp_path)
+    dictionary = model.decoder.dictionary
+    prefix = tokens(model, seed=3, B=2, T=3)
+    generator = SequenceGenerator([model], dictionary, beam_size=3, max_len_b=8)
+    sample = {"net_input": {"src_tokens": prefix, "src_lengths": torch.full((2,), 3)}}
+    with torch.no_grad():
+        hypos = generator.generate([model], sample, prefix_tokens=prefix)
+        for b, beam in enumerate(hypos):
+            assert len(beam) == 3 and beam[0]["tokens"][:3].tolist() == prefix[b].tolist()
+            for hypo in beam:
+                y = hypo["tokens"]  # [L], the last eos
+                inputs = torch.cat([y.new_tensor([dictionary.eos()]), y[:-1]])[None]
+                lprobs = torch.log_softmax(model(inputs)[0][0].float(), -1).gather(1, y[:, None])[:, 0]
+                torch.testing.assert_close(hypo["positional_scores"], lprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_kind_ffn_trains(lm_data_bin, tmp_path):
+    """--moe-expert-kind ffn: experts act(x W1 + b1) W2 + b2 with --activation-fn (silu here by default)."""
+    argv = lm_train_argv(lm_data_bin, tmp_path, *SIZES, "--max-update", "2", "--moe-expert-kind", "ffn",
+                         "--activation-fn", "gelu", "--no-save")
+    argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm_tiny"
+    _, model, _, _ = build(argv)
+    block = moe_blocks(model)[0][1].moe
+    assert block.cfg.expert_kind == "ffn" and block.cfg.activation == "gelu" and block.experts.b1 is not None
+    run_train(argv)
+
+
+TWO_RANKS = ("--optimizer", "sgd", "--lr", "0.5", "--momentum", "0.9", "--moe-capacity-factor", "0",
+             "--max-update", "3", "--required-batch-size-multiple", "1")
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_experts_spread_equal_one_process(lm_data_bin, tmp_path):
+    """2 gloo ranks (2 experts each) against one process with --update-freq 2: the same parameters after 3 updates."""
+    import os
+    import subprocess
+    import sys
+
+    from fairseq_moe.checkpoints import sets as shards
+    from tests import warm
+    from tests.fairseq_moe.helpers import assert_same_params
+
+    def argv(save, *extra):
+        a = lm_train_argv(lm_data_bin, save, *SIZES, *TWO_RANKS, *extra)
+        a[a.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm_tiny"
+        return a
+
+    proc = warm.Popen([sys.executable, "-m", "fairseq_moe.launch", "--nproc", "2", "--", "fairseq-train",
+                       *argv(tmp_path / "many")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run_train(argv(tmp_path / "one", "--update-freq", "2"))  # (while the ranks run)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    a = torch.load(tmp_path / "one" / "checkpoint_last.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "many" / "checkpoint_last-rank-1.pt", weights_only=True)["model"]
+    assert rank1["decoder.layers.0.fc1.moe.experts.w1"].shape[0] == 2  # (2 of the 4 experts on each rank)
+    b = shards.assemble(str(tmp_path / "many" / "checkpoint_last"))
+    assert b["extra_state"]["val_loss"] == pytest.approx(a["extra_state"]["val_loss"], rel=1e-5)
+    assert_same_params(b["model"], a["model"])
