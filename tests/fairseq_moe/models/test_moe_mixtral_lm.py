@@ -15,7 +15,7 @@ import torch
 from fairseq_moe.errors import FlagError
 from fairseq_moe.models.moe_ffn import moe_blocks
 
-from tests.fairseq_moe.helpers import build, lm_train_argv, run_eval_lm, run_train
+from tests.fairseq_moe.helpers import LM_DATA, USER_DIR, build, lm_train_argv, run_eval_lm, run_generate, run_train
 
 # 4 heads sharing 2 kv heads, d 32, SwiGLU 64, 4 experts, k 2 (the tiny arch, narrower); dropless at eval.
 SIZES = ("--decoder-attention-heads", "4", "--decoder-kv-heads", "2", "--moe-expert-count", "4")
@@ -283,9 +283,10 @@ def test_bad_flags_are_named(lm_data_bin, tmp_path, extra, flag):
         mixtral(lm_data_bin, tmp_path, *extra)
 
 
-def test_trains_and_eval_lm_scores_its_checkpoint(lm_data_bin, tmp_path):
+def test_trains_then_eval_lm_and_generate_read_its_checkpoint(lm_data_bin, tmp_path):
     """A few updates of fairseq-train (the MoE task and criterion), then fairseq-eval-lm: its loss is the validation
-    loss of the same checkpoint."""
+    loss of the same checkpoint; fairseq-generate (--task language_modeling, beam 2) continues each sentence's first two
+    tokens."""
     argv = lm_train_argv(lm_data_bin, tmp_path, *SIZES, "--max-update", "3", "--required-batch-size-multiple", "1")
     argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm_tiny"
     run_train(argv)
@@ -294,6 +295,10 @@ def test_trains_and_eval_lm_scores_its_checkpoint(lm_data_bin, tmp_path):
     assert state["model"]["decoder.layers.1.fc1.moe.experts.w1"].shape == (4, 32, 128)
     result = run_eval_lm(lm_data_bin, tmp_path / "checkpoint_last.pt")
     assert float(result["loss"]) == pytest.approx(state["extra_state"]["val_loss"], abs=5.1e-4)
+    scorer = run_generate([lm_data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "checkpoint_last.pt"),
+                           "--task", "language_modeling", *LM_DATA, "--gen-subset", "valid", "--beam", "2",
+                           "--max-len-b", "5", "--prefix-size", "2", "--max-tokens", "400", "--cpu"])
+    assert scorer.stat.predlen > 0
 
 
 def test_beam_search_scores_are_the_full_forward_log_probs(lm_data_bin, tmp_path):
