@@ -1,6 +1,7 @@
 """The criterions add exactly the weighted router losses; metrics, pad mask and eval capacity."""
 import math
 
+import fairseq  # noqa: F401  (before the plugin's modules, as fairseq loads them: also in a spawned rank)
 import pytest
 import torch
 
