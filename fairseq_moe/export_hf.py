@@ -86,6 +86,8 @@ def nllb_config(a, moe_layers, vocab):
                           ("moe_expert_kind", "ffn")):  # (NllbMoe's experts: fc1, act, fc2, with biases)
         need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
     need(a.get("moe_gating_use_fp32", True), "--no-moe-gating-use-fp32", "is set")
+    need(a.get("moe_topk_renormalize", True), "--no-moe-topk-renormalize", "is set (NllbMoe renormalises its "
+         "top-2 weights)")
     need(a.get("moe_routed_scaling_factor", 1.0) == 1.0,
          f"--moe-routed-scaling-factor {a.get('moe_routed_scaling_factor')}", "is not 1")
     need(not a.get("moe_cmr"), "--moe-cmr", "is on (transformers' NllbMoe has no conditional MoE routing)")

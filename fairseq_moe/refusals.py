@@ -247,6 +247,20 @@ REFUSALS = (
             "Shazeer et al.'s load estimator is defined by the noise of noisy top-k gating",
             {"model": lambda: _model_routed_by(_first(lambda p: p.balance_loss)),
              "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_type="importance_load"))}),
+    Refusal("a balance loss over sequences or ranks with a loss that does not read it", (
+                "--moe-balance-loss-scope", "--moe-gate-loss-type", "--moe-gate-loss-transform"), "trainer",
+            lambda c: any(layer.balance_loss_scope != "batch" for layer in c.layers()) and (
+                c.loss("moe_gate_loss_type") == "importance_load" or c.loss("moe_gate_loss_transform") == "neg_log"),
+            lambda c: "--moe-balance-loss-scope " + next(layer.balance_loss_scope for layer in c.layers()
+                                                         if layer.balance_loss_scope != "batch")
+            + " sets the GShard/Switch balance loss; it cannot be used with --moe-gate-loss-type importance_load "
+              "(Shazeer's losses, over the micro-batch) or --moe-gate-loss-transform neg_log (the log of one rank's "
+              "share of a global loss means nothing)",
+            "the scope changes what the balance loss sums over; the other losses and the transform assume the "
+            "micro-batch's",
+            {"model": lambda: _model_routed_by(_first(lambda p: p.balance_loss), balance_loss_scope="global"),
+             "criterion": argparse.Namespace(moe_cfg=argparse.Namespace(moe_gate_loss_type="balance",
+                                                                        moe_gate_loss_transform="neg_log"))}),
     Refusal("frozen experts with weight decay", ("--moe-frozen-experts", "--weight-decay"), "trainer",
             lambda c: _frozen(c) and float(c.flag("weight_decay", 0) or 0) > 0,
             "--moe-frozen-experts cannot be combined with --weight-decay: the optimizers' decoupled decay shrinks "

@@ -100,6 +100,20 @@ class LayerSettings:
         0, "always-on experts beside the routed ones, summed into every token's output (DeepSeekMoE); plain "
            "parameters, replicated (data parallel) when the routed experts are spread", "--moe-shared-expert-count",
         ge=0, metavar="N")
+    shared_expert_ffn_dim: int = setting(
+        None, "hidden size of each shared expert (none: --moe-expert-ffn-dim; Qwen2-MoE's shared expert is wider "
+              "than its routed ones)", "--moe-shared-expert-ffn-dim", type=int, ge=1, metavar="F")
+    shared_expert_gate: bool = setting(
+        False, "the shared experts' output scaled per token by sigmoid(x . g), g a learned [d] vector without bias "
+               "(Qwen2-MoE's shared_expert_gate), before it joins the routed experts'")
+    balance_loss_scope: str = setting(
+        "batch", "the tokens the balance loss (--moe-gate-loss-wt) balances over: batch, each rank's micro-batch "
+                 "(GShard, Switch, fairseq's moe branch: first choices counted, E^2 mean(P_e f_e)); sequence, each "
+                 "sequence apart, then their mean (DeepSeek-V2/V3: every one of the k choices counted, "
+                 "sum_e f_e P_e, f_e = E c_e / (k T)); global, the micro-batch of every data-parallel rank together "
+                 "(Qwen's global-batch loss, Megatron-Core's global_aux_loss without its running mean: the counts "
+                 "all-reduced in training, each rank's share of the probabilities; as sequence, every choice "
+                 "counted)", choices=("batch", "sequence", "global"))
     frozen_experts: int = setting(
         0, "the first N experts and their router rows do not train: their gradients are zeroed (a grown model's "
            "old experts: fairseq_moe.grow --freeze-old); the fairseq flag also takes one count per MoE layer",
@@ -151,6 +165,16 @@ class LayerSettings:
         for name in ("expert_output_masking", "final_output_masking", "cmr"):
             if policy.slots and getattr(self, name):
                 bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
+        if self.shared_expert_ffn_dim is not None and not self.shared_experts:
+            bad("shared_expert_ffn_dim", "sizes the shared experts, of which there are none "
+                                         "(--moe-shared-expert-count 0)")
+        if self.shared_expert_gate and not self.shared_experts:
+            bad("shared_expert_gate", "gates the shared experts, of which there are none (--moe-shared-expert-count 0)")
+        if self.shared_expert_gate and self.cmr:
+            bad("shared_expert_gate", "and --moe-cmr both gate the shared expert: choose one")
+        if self.balance_loss_scope != "batch" and not policy.balance_loss:
+            bad("balance_loss_scope", f"sets the balance loss, which --moe-routing {self.routing} has not (it "
+                                      f"balances the load itself)")
         if self.capacity_counts_padding and not policy.has_capacity:
             bad("capacity_counts_padding", f"has no capacity to set with --moe-routing {self.routing}")
         if not policy.dropless and not self.capacity_factor > 0:

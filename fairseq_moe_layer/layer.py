@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from fairseq_moe_kernels import backend, host
+from fairseq_moe_kernels.reference import count
 
 from .comm import ExpertParallel, Plan, block_transpose_index, expert_grad_hook, send_rows
 from .config import MoEConfig
 from .experts import EXPERT_KINDS
 from .gates import GATES, noisy_logits
-from .losses import MoEAux, ShazeerInputs, balance_loss, gate_entropy, router_z_loss
+from .losses import (MoEAux, ShazeerInputs, balance_loss, gate_entropy, global_balance_share, router_z_loss,
+                     sequence_balance_loss)
 from .pipeline import pipelined_experts
 from .routing import ROUTINGS
 
@@ -48,8 +50,10 @@ class MoELayer(nn.Module):
             local, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout, first,
             cfg.num_experts,
         )
-        self.shared = Experts(cfg.shared_experts, cfg.model_dim, cfg.ffn_dim, cfg.activation, cfg.activation_dropout,
-                              routed=False) if cfg.shared_experts else None
+        self.shared = Experts(cfg.shared_experts, cfg.model_dim, cfg.shared_expert_ffn_dim or cfg.ffn_dim,
+                              cfg.activation, cfg.activation_dropout, routed=False) if cfg.shared_experts else None
+        # Qwen2-MoE's gate of the shared experts' output: sigmoid(x . g) per token
+        self.shared_gate = nn.Linear(cfg.model_dim, 1, bias=False) if cfg.shared_expert_gate else None
         # NLLB-MoE's CMR gate: one logit per token, whose sigmoid mixes the shared FFN and the routed experts
         self.cmr_gate = nn.Linear(cfg.model_dim, 1) if cfg.cmr else None
         self._demand = None  # [E] fp32: assignments asked for since the last bias update (training forwards)
@@ -67,23 +71,25 @@ class MoELayer(nn.Module):
             if self.gate is not None:
                 self.gate.weight.register_hook(partial(_zero_rows, rows=cfg.frozen_experts))
 
-    def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None, token_ids=None):
+    def forward(self, x, padding_mask=None, top_k=None, capacity_factor=None, token_ids=None, time_major=False):
         """x: [..., d]; padding_mask: [...] (True or nonzero = padding, skipped by routing and losses).
         top_k, capacity_factor: other values for this call only (default: the config's; at eval the
         config's eval_top_k when set). token_ids: [...] the token id at each position (hash routing).
+        The sequences (--moe-balance-loss-scope sequence): x [B, T, d] (any leading dims), or [T, B, d] where
+        time_major (fairseq's activations); x [T, d] is one sequence.
 
         Returns (y, aux): y [..., d] (zeros for padding and for fully dropped tokens), aux: MoEAux.
         """
         if self.ep is None:
-            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids)
+            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids, time_major)
         self.ep.lockstep.before(self._lockstep_index)  # (in inference, lockstep.py: until every rank calls it)
         try:
-            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids)
+            return self._forward(x, padding_mask, top_k, capacity_factor, token_ids, time_major)
         except BaseException:
             self.ep.lockstep.broken = True  # (the peers may be inside this call's all-to-all)
             raise
 
-    def _forward(self, x, padding_mask, top_k, capacity_factor, token_ids):
+    def _forward(self, x, padding_mask, top_k, capacity_factor, token_ids, time_major):
         cfg, policy = self.cfg, self.policy
         if policy.slots:
             if top_k is not None or capacity_factor is not None:
@@ -138,12 +144,15 @@ class MoELayer(nn.Module):
                                               self.training)  # [T]
             y = y * cmr.unsqueeze(-1).to(y.dtype) + self.shared.all_tokens(x, ops) * (1 - cmr).unsqueeze(-1).to(y.dtype)
         elif self.shared is not None:
-            y = y + self.shared.all_tokens(x, ops)
+            shared = self.shared.all_tokens(x, ops)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x)).to(shared.dtype)
+            y = y + shared
         if cfg.final_output_masking:  # (each token's whole output: --moe-fom)
             y = y * self._masked(y.new_ones(T, 1), cfg.final_output_masking).to(y.dtype)
         if keep is not None:
             y = y.new_zeros(shape[:-1].numel(), shape[-1]).index_copy(0, keep, y)
-        aux = self._aux(logits, clean, r, T, k, cfg)
+        aux = self._aux(logits, clean, r, T, k, cfg, lambda: _sequences(shape, time_major, keep, x.device))
         if cmr is not None:
             aux.cmr_gate_sum = cmr.float().sum()  # (NLLB's cmr_gate_loss_num; num_tokens its denominator)
         return y.view(shape), aux
@@ -211,15 +220,32 @@ class MoELayer(nn.Module):
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (source, local expert) order
         return send_rows(y, back, out, self.ep)
 
-    def _aux(self, logits, clean, r, T, k, cfg):
+    def _aux(self, logits, clean, r, T, k, cfg, sequences):
         # A zero loss that still belongs to the graph of every gate parameter (also for T = 0: the empty
         # logits); without a learned router a plain zero.
         zero = logits.sum() * 0.0 if logits is not None else r.probs.new_zeros(())
-        if T == 0:  # nothing routed
+        scope = cfg.balance_loss_scope if r.top_experts is not None else "batch"
+        shared_out = scope == "global" and self.training and _data_parallel()
+        if T == 0 and not shared_out:  # nothing routed
             return MoEAux(zero, zero, r.demand, r.counts, 0, k, zero.detach())
         noisy = clean is not None and cfg.gate_noise == "gaussian" and cfg.gate_noise_scale
+        if r.top_experts is None:
+            balance = zero
+        elif scope == "sequence":
+            balance = sequence_balance_loss(r.probs, r.top_experts, *sequences())
+        elif scope == "global":  # (in training, over every rank's tokens: a rank with none still meets the others)
+            E = r.probs.shape[1]
+            counted = torch.cat([count(r.top_experts.reshape(-1), E).double(),
+                                 torch.full((1,), float(T), dtype=torch.float64, device=r.probs.device)])
+            if shared_out:
+                torch.distributed.all_reduce(counted)
+            balance = global_balance_share(r.probs, r.top_experts, counted[:E], counted[E]) + zero
+            if T == 0:
+                return MoEAux(balance, zero, r.demand, r.counts, 0, k, zero.detach(), balance_share_of_global=True)
+        else:
+            balance = balance_loss(r.probs, r.top_experts)
         return MoEAux(
-            balance_loss=zero if r.top_experts is None else balance_loss(r.probs, r.top_experts),
+            balance_loss=balance,
             z_loss=zero if logits is None else router_z_loss(logits),
             demand=r.demand.detach(),
             counts=r.counts.detach(),
@@ -229,7 +255,28 @@ class MoELayer(nn.Module):
             dropped=r.dropped,
             shazeer=None if r.top_experts is None else ShazeerInputs(
                 r.probs, r.top_experts, *((clean, logits.float(), k, cfg.gate_noise_scale) if noisy else ())),
+            balance_share_of_global=shared_out,
         )
+
+
+def _data_parallel():
+    """Several processes train together (the global balance loss all-reduces its counts over all of them)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+
+
+def _sequences(shape, time_major, keep, device):
+    """(each routed token's sequence [T] long, the number of sequences) for x of `shape` [..., d]: [T, d] is one
+    sequence, [T, B, d] time_major B, otherwise [..., T, d] one per row of T; keep: the positions routed (or None)."""
+    positions = shape[:-1].numel()
+    flat = torch.arange(positions, device=device) if keep is None else keep
+    if len(shape) == 2:
+        return torch.zeros_like(flat), 1
+    if time_major:
+        if len(shape) != 3:
+            raise ValueError(f"time_major x must be [T, B, d], got {tuple(shape)}")
+        return flat % shape[1], shape[1]
+    return flat // shape[-2], positions // shape[-2]
 
 
 def _zero_rows(grad, rows):

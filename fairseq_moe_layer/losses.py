@@ -22,6 +22,36 @@ def balance_loss(probs, top_experts):
     return (me * ce).mean() * E * E
 
 
+def sequence_balance_loss(probs, top_experts, sequence, num_sequences):
+    """DeepSeek-V2/V3's sequence-wise balance loss, averaged over the sequences: for each sequence b of T_b tokens,
+    sum_e f_be P_be with f_be = E c_be / (k T_b), c_be the times e is among its tokens' k choices (every choice
+    counted), P_be the mean over its tokens of the probability of e. 1 for a perfectly even router in every sequence.
+    probs: [T, E] fp32 (the normalised scores s'); top_experts: [T, k]; sequence: [T] long, each token's sequence
+    (0 .. num_sequences - 1; sequences without a token, all padding, are left out of the mean)."""
+    T, E = probs.shape
+    k, B = top_experts.shape[1], num_sequences
+    tokens = torch.zeros(B, dtype=probs.dtype, device=probs.device).index_add_(
+        0, sequence, torch.ones(T, dtype=probs.dtype, device=probs.device))  # [B]
+    counts = torch.zeros(B * E, dtype=probs.dtype, device=probs.device).index_add_(
+        0, (sequence[:, None] * E + top_experts).reshape(-1), torch.ones(T * k, dtype=probs.dtype,
+                                                                          device=probs.device)).view(B, E)
+    mass = torch.zeros(B, E, dtype=probs.dtype, device=probs.device).index_add_(0, sequence, probs)  # [B, E]
+    present = tokens > 0
+    per_sequence = (counts * mass).sum(-1) * E / (k * tokens.clamp(min=1) ** 2)  # [B]
+    return (per_sequence * present).sum() / present.sum().clamp(min=1)
+
+
+def global_balance_share(probs, top_experts, counts, total_tokens):
+    """This rank's share of the global-batch balance loss sum_e f_e P_e over the tokens of every data-parallel rank
+    (f_e = E C_e / (k T), C_e the choices of e on every rank, every one of the k counted; P_e the mean probability of e
+    over all T tokens): sum_e f_e (sum of this rank's probabilities of e) / T. The ranks' shares add up to the loss.
+    probs: [T_r, E] fp32; top_experts: [T_r, k]; counts: [E] every rank's choices (no grad); total_tokens: T."""
+    E, k = probs.shape[1], top_experts.shape[1]
+    total = total_tokens.clamp(min=1).to(probs.dtype) if torch.is_tensor(total_tokens) else max(total_tokens, 1)
+    f = counts.to(probs.dtype) * E / (k * total)
+    return (f * probs.sum(0)).sum() / total
+
+
 def router_z_loss(logits):
     """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2; keeps logits small."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
@@ -77,7 +107,8 @@ class ShazeerInputs:
 class MoEAux:
     """What one forward of a layer returns besides y. Losses carry grad; statistics do not."""
 
-    balance_loss: torch.Tensor  # scalar, GShard/Switch load-balancing loss (0 where the policy balances)
+    balance_loss: torch.Tensor  # scalar, the load-balancing loss of --moe-balance-loss-scope (0 where the policy
+    # balances); global: this rank's share (balance_share_of_global)
     z_loss: torch.Tensor  # scalar, router z-loss
     demand: torch.Tensor  # [E] long, assignments per expert before dropping
     counts: torch.Tensor  # [E] long, assignments per expert after dropping
@@ -87,6 +118,8 @@ class MoEAux:
     dropped: Union[float, torch.Tensor] = 0.0  # Routing.dropped (read through dropped_fraction)
     shazeer: Optional[ShazeerInputs] = field(default=None, repr=False)  # None: Shazeer's losses are zero
     cmr_gate_sum: Optional[torch.Tensor] = None  # --moe-cmr: the sum of its gates over the tokens (has grad)
+    balance_share_of_global: bool = False  # balance_loss is this rank's share of a loss over every data-parallel
+    # rank's tokens (the ranks' shares add up to it): the criterion weights it by the global sample size
 
     @property
     def dropped_fraction(self):

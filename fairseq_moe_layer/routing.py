@@ -169,6 +169,10 @@ class TopK(Policy):
         topk_groups=setting(
             None, "topk: each token's experts come from its M groups whose two best scores sum highest (with "
                   "--moe-expert-groups; none: all groups)", type=int, ge=1, metavar="M"),
+        topk_renormalize=setting(
+            True, "topk with k >= 2: the weights are the scores renormalised over the chosen experts (GShard, "
+                  "Mixtral, fairseq's moe branch) or, off, the router's probabilities as they are (Qwen2-MoE, "
+                  "Qwen3-MoE and OLMoE: norm_topk_prob false; DeepSeek-V2)", negative="--no-moe-topk-renormalize"),
         routed_scaling_factor=setting(
             1.0, "topk: the routed experts' weights (after their renormalisation) times S, DeepSeek-V3's routed "
                  "scaling factor (2.5 there); shared experts are not scaled", gt=0, metavar="S"),
@@ -176,10 +180,13 @@ class TopK(Policy):
 
     def check(self, cfg):
         bad = cfg.refuse
-        for name in ("second_expert_policy", "normalize_gate_prob_before_dropping"):
+        for name in ("second_expert_policy", "normalize_gate_prob_before_dropping", "topk_renormalize"):
             if getattr(cfg, name) != self.options[name].default and cfg.top_k < 2:
                 bad(name, f"applies to the second and later choices of --moe-routing {self.name} (here "
                           f"--moe-top-k {cfg.top_k})")
+        if cfg.normalize_gate_prob_before_dropping and not cfg.topk_renormalize:
+            bad("normalize_gate_prob_before_dropping", "says when the weights are renormalised, and "
+                                                       "--no-moe-topk-renormalize that they are not")
         if cfg.batch_prioritized_routing and cfg.random_token_selection:
             bad("random_token_selection", "and --moe-batch-prioritized-routing are two different priorities: "
                                           "choose one")
@@ -204,7 +211,7 @@ class TopK(Policy):
 
     def at_k(self, cfg, k):
         # With k = 1 the options of the second and later choices have nothing to act on: off.
-        names = ("second_expert_policy", "normalize_gate_prob_before_dropping")
+        names = ("second_expert_policy", "normalize_gate_prob_before_dropping", "topk_renormalize")
         return {} if k > 1 else {name: self.options[name].default for name in names}
 
     def route(self, logits, top_k, capacity, cfg, training=False, router=None, bias=None, token_ids=None):
@@ -268,6 +275,8 @@ class TopK(Policy):
             kept_tk = torch.empty_like(kept_tk).index_copy_(0, perm, kept_tk)  # rows in token order
         if top_k == 1:
             weights = torch.ones_like(top_probs) if opt("top1_weight") == "one" else top_probs
+        elif not opt("topk_renormalize"):  # (the scores as they are; a dropped choice's weight is lost)
+            weights = top_probs * kept_tk
         elif before:
             weights = top_probs * kept_tk / top_probs.sum(-1, keepdim=True).clamp(
                 min=torch.finfo(top_probs.dtype).eps)

@@ -60,8 +60,12 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     gate_loss = per_layer.mean() if cfg.moe_gate_loss_combine_method == "average" else per_layer.sum()
     if cfg.moe_gate_loss_transform == "neg_log":
         gate_loss = -torch.log(gate_loss)
-    # The task loss is a sum over sample_size items (fairseq divides by it later): scale alike.
-    loss = loss + sample_size * (cfg.moe_gate_loss_wt * gate_loss + cfg.moe_z_loss_wt * z)
+    # The task loss is a sum over sample_size items (fairseq divides by it later, summed over the ranks): scale alike.
+    # A global balance loss (--moe-balance-loss-scope global) is each rank's share of one loss over every rank's
+    # tokens: weighted by the sample size of every rank, so that the ranks' gradients add up to its gradient.
+    balance_size = global_sample_size(sample_size, balance.device) if any(
+        a.balance_share_of_global for a in auxes) else sample_size
+    loss = loss + balance_size * cfg.moe_gate_loss_wt * gate_loss + sample_size * cfg.moe_z_loss_wt * z
     cmr = [a for a in auxes if a.cmr_gate_sum is not None]
     if cfg.cmr_gate_loss_wt and not cmr:
         raise FlagError(f"--cmr-gate-loss-wt {cfg.cmr_gate_loss_wt} weights the gates of --moe-cmr, which the model "
@@ -76,7 +80,7 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     # fairseq's own criterions log: read from the device with fairseq's (once per logged step), not layer by layer.
     stats = torch.stack([torch.stack(a.statistics()) for a in auxes])  # [layers, (dropped, imbalance, entropy)]
     means = stats.mean(0) * sample_size
-    logging_output["moe_balance_loss"] = balance.detach().mean() * sample_size
+    logging_output["moe_balance_loss"] = balance.detach().mean() * balance_size  # (global: the ranks' sum is it)
     logging_output["moe_z_loss"] = z.detach() * sample_size
     logging_output["moe_dropped"], logging_output["moe_imbalance"], logging_output["moe_entropy"] = means.unbind()
     if shazeer:
@@ -90,10 +94,19 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
             side, _, index = name.split(".")[:3]  # encoder.layers.1.fc1 -> moe_encoder1_
             prefix = f"moe_{side}{index}_"
             dropped, imbalance, entropy = a.statistics()
-            for key, value in (("balance", a.balance_loss.detach()), ("dropped", dropped), ("imbalance", imbalance),
-                               ("entropy", entropy)):
-                logging_output[prefix + key] = value * sample_size
+            for key, value in (("balance", a.balance_loss.detach() * balance_size), ("dropped", dropped * sample_size),
+                               ("imbalance", imbalance * sample_size), ("entropy", entropy * sample_size)):
+                logging_output[prefix + key] = value
     return loss
+
+
+def global_sample_size(sample_size, device):
+    """The sample size summed over every rank, a 0-d tensor on device (an all-reduce: every rank's criterion runs once
+    per micro-batch in training, dummy batches too, where the layers made a global balance loss)."""
+    total = sample_size.detach().to(device, torch.float64) if torch.is_tensor(sample_size) else \
+        torch.tensor(float(sample_size), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return total.float()
 
 
 def reduce_moe_metrics(logging_outputs):

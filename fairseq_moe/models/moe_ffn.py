@@ -54,7 +54,8 @@ class MoEFeedForward(nn.Module):
             y = y.transpose(0, 1)
         else:
             ids = None if self.token_ids is None else self.token_ids.t()
-            y, self.last_aux = self.moe(x, None if mask is None else _transposed(mask), token_ids=ids)
+            y, self.last_aux = self.moe(x, None if mask is None else _transposed(mask), token_ids=ids,
+                                     time_major=True)
         self.last_label_demand = self._demand_by_label(x.shape[0], batch_major, mask)
         return y
 

@@ -47,9 +47,9 @@ def expert_mlp(x, e, w1, b1, w2, b2, activation="relu"):
     return ACT[activation](x @ w1[e] + b1[e]) @ w2[e] + b2[e]
 
 
-def moe_oracle(x, gate_weight, w1, b1, w2, b2, k, activation="relu", capacity=None):
+def moe_oracle(x, gate_weight, w1, b1, w2, b2, k, activation="relu", capacity=None, renormalize=True):
     """MoE layer on x [T, d] by a loop over tokens: softmax of the token's fp32 logits, top-k,
-    weight = raw probability (k = 1) or renormalised over the kept choices (k >= 2), sum of
+    weight = raw probability (k = 1, or not renormalize) or renormalised over the kept choices (k >= 2), sum of
     weight * expert MLP. Dropped choices (GShard priority, see gshard_kept) contribute nothing."""
     T = x.shape[0]
     logits = F.linear(x.float(), gate_weight.float())  # [T, E] fp32, the linear gate
@@ -61,7 +61,7 @@ def moe_oracle(x, gate_weight, w1, b1, w2, b2, k, activation="relu", capacity=No
         mine = [j for j in range(k) if (t, j) in kept]
         y = torch.zeros_like(x[t])
         for j in mine:
-            w = top_p[j] if k == 1 else top_p[j] / sum(top_p[i] for i in mine)
+            w = top_p[j] if k == 1 or not renormalize else top_p[j] / sum(top_p[i] for i in mine)
             y = y + w.to(x.dtype) * expert_mlp(x[t], int(top_e[j]), w1, b1, w2, b2, activation)
         out.append(y)
     return torch.stack(out)

@@ -169,6 +169,41 @@ def _check_routing_bias(rank, W):
     assert all(torch.equal(b, biases[0]) for b in biases) and spread.routing_bias.any()
 
 
+def _check_global_balance(rank, W, spread, sizes):
+    """--moe-balance-loss-scope global on W ranks (rank r holding sizes[r] tokens, maybe none; experts spread or
+    not): the ranks' losses add up to the loss of one process holding every token (the layer in eval: no collective,
+    the same dropless routing), and their gradients (summed over the ranks, as fairseq's trainer sums and divides by
+    the global sample size) to its gradient; each rank's input gradient is that process's on its tokens."""
+    cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=0.0,
+                    eval_capacity_token_fraction=0.0, balance_loss_scope="global")
+    torch.manual_seed(0)
+    whole = MoELayer(cfg).double()
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, expert_parallel(4) if spread else None).double()
+    xs = [torch.randn(n, 6, generator=torch.Generator().manual_seed(70 + r), dtype=torch.float64)
+          for r, n in enumerate(sizes)]
+    x = xs[rank].clone().requires_grad_(True)
+    _, aux = layer(x)
+    assert aux.balance_share_of_global and aux.num_tokens == sizes[rank]
+    aux.balance_loss.backward()
+    total = aux.balance_loss.detach().clone()
+    dist.all_reduce(total)
+    grad = layer.gate.weight.grad.clone()
+    dist.all_reduce(grad)
+    xw = torch.cat(xs).requires_grad_(True)
+    whole.eval()
+    _, ref = whole(xw)
+    assert not ref.balance_share_of_global
+    ref.balance_loss.backward()
+    torch.testing.assert_close(total, ref.balance_loss.detach())
+    torch.testing.assert_close(grad, whole.gate.weight.grad)
+    start = sum(sizes[:rank])
+    torch.testing.assert_close(x.grad, xw.grad[start:start + sizes[rank]])
+    # A rank's own tokens give another loss: the counts of the others changed it.
+    layer.eval()
+    assert not torch.allclose(layer(xs[rank])[1].balance_loss, aux.balance_loss.detach()) or not sizes[rank]
+
+
 def _check_bad_split(rank, W):
     with pytest.raises(ValueError, match="--moe-expert-count 3"):
         expert_parallel(3)
@@ -228,6 +263,8 @@ CHECKS = {
         (_check_layer, (4, 1, 1.5, None, 1, "triton", "expert_choice")),
         (_check_routing_bias, ()),
         (_check_host_reads, ()),
+        (_check_global_balance, (False, (7, 12))),  # the global-batch balance loss, dense ranks
+        (_check_global_balance, (True, (9, 5))),  # ... experts spread
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
@@ -239,6 +276,7 @@ CHECKS = {
         (_check_layer, (8, 2, 1.0, None, 2)),  # overlap, capacity dropping, a rank with no tokens
         (_check_host_reads, (2,)),  # the 2-D all-to-all: one read a call
         (_check_host_reads, (None, 2)),  # overlapped in 2 chunks: one read a call
+        (_check_global_balance, (True, (6, 0, 11, 3))),  # the global-batch balance loss, a rank with no tokens
     ],
 }
 

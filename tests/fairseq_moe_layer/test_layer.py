@@ -137,6 +137,35 @@ def test_layer_matches_token_loop_oracle(k, capacity_factor, dtype):
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_qwen2_moe_block_matches_the_token_loop_oracle(capacity_factor):
+    """Qwen2-MoE's sparse block: swiglu experts, top-2 weights that are the softmax's probabilities as they are
+    (--no-moe-topk-renormalize), and a wider swiglu shared expert whose output is scaled by sigmoid(x . g)
+    (--moe-shared-expert-ffn-dim, --moe-shared-expert-gate); outputs and every gradient against the loop."""
+    layer = make_layer(top_k=2, capacity_factor=capacity_factor, expert_kind="swiglu", shared_experts=1,
+                       shared_expert_ffn_dim=28, shared_expert_gate=True, topk_renormalize=False)
+    assert layer.shared.w1.shape == (1, 12, 56) and layer.shared_gate.weight.shape == (1, 12)
+    x, g = biased_inputs(layer, 19, torch.float64)
+    layer.zero_grad()
+    xl = x.clone().requires_grad_(True)
+    y, aux = layer(xl)
+    (y * g).sum().backward()
+    p = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
+    xo = x.clone().requires_grad_(True)
+    C = layer.cfg.capacity(19, training=True)
+    e = "experts."
+    yo = moe_oracle(xo, p["gate.weight"], p[e + "w1"], None, p[e + "w2"], None, 2, "swiglu", C, renormalize=False)
+    yo = yo + torch.stack([torch.sigmoid(xo[t] @ p["shared_gate.weight"][0])
+                           * expert_mlp(xo[t], 0, p["shared.w1"], None, p["shared.w2"], None, "swiglu")
+                           for t in range(19)])
+    (yo * g).sum().backward()
+    torch.testing.assert_close(y, yo.detach(), **TOL[torch.float64])
+    torch.testing.assert_close(xl.grad, xo.grad, **ROUTER_TOL)
+    for name, t in layer.named_parameters():
+        torch.testing.assert_close(t.grad, p[name].grad, **(ROUTER_TOL if name == "gate.weight" else
+                                                            TOL[torch.float64]), msg=name)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 @pytest.mark.parametrize("k", [1, 2])
 def test_swiglu_experts_match_the_token_loop_oracle(k, capacity_factor):
     """--moe-expert-kind swiglu (and a swiglu shared expert): w1 [E, d, 2f], w2 [E, f, d], no biases, against the

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_moe_layer import MoEConfig, MoELayer
-from fairseq_moe_layer.losses import balance_loss, gate_entropy, importance_loss, load_loss, router_z_loss
+from fairseq_moe_layer.losses import (balance_loss, gate_entropy, global_balance_share, importance_loss, load_loss,
+                                     router_z_loss, sequence_balance_loss)
 
 
 def test_balance_loss_uniform_router_is_one():
@@ -121,3 +122,88 @@ def test_layer_reports_shazeer_losses():
     assert aux.importance_loss > 0 and aux.load_loss > 0 and aux.load_loss.requires_grad
     _, aux = MoELayer(dataclasses.replace(cfg, gate_noise="none"))(torch.randn(11, 6))
     assert aux.importance_loss > 0 and float(aux.load_loss.detach()) == 0.0  # no noise: no load estimator
+
+
+def deepseek_sequence_loss(scores, top_experts, B, S):
+    """DeepSeek-V2/V3's sequence-wise loss as their MoEGate writes it (B sequences of S tokens, no padding):
+    ce = zeros(B, E).scatter_add_(1, idx.view(B, -1), ones(B, S k)) / (S k / E); (ce * mean_s scores).sum(1).mean()."""
+    E, k = scores.shape[1], top_experts.shape[1]
+    ce = torch.zeros(B, E, dtype=scores.dtype).scatter_add_(1, top_experts.view(B, -1),
+                                                            torch.ones(B, S * k, dtype=scores.dtype)) / (S * k / E)
+    return (ce * scores.view(B, S, E).mean(1)).sum(1).mean()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sequence_balance_loss_equals_deepseeks(k):
+    """Equal-length sequences: DeepSeek's gate's formula; and its gradient (through the probabilities only)."""
+    g = torch.Generator().manual_seed(k)
+    B, S, E = 3, 7, 5
+    probs = torch.softmax(torch.randn(B * S, E, generator=g, dtype=torch.float64), -1).requires_grad_(True)
+    top = probs.detach().topk(k, -1).indices
+    sequence = torch.arange(B).repeat_interleave(S)
+    got, want = sequence_balance_loss(probs, top, sequence, B), deepseek_sequence_loss(probs, top, B, S)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(*(torch.autograd.grad(v, probs)[0] for v in (got, want)))
+
+
+def test_sequence_balance_loss_is_the_mean_of_each_sequence_alone():
+    """Sequences of different lengths, interleaved (time-major order), one of them empty: the mean over the sequences
+    that have tokens of each one's loss computed alone (by a loop of the paper's formula)."""
+    g = torch.Generator().manual_seed(3)
+    E, k = 4, 2
+    sequence = torch.tensor([0, 2, 3, 0, 2, 0, 3, 0, 0, 2])  # sequence 1 has no token
+    probs = torch.softmax(torch.randn(len(sequence), E, generator=g, dtype=torch.float64), -1)
+    top = probs.topk(k, -1).indices
+    alone = []
+    for b in (0, 2, 3):
+        p, t = probs[sequence == b], top[sequence == b]
+        T = p.shape[0]
+        f = [E / (k * T) * sum(int(e in t[i].tolist()) for i in range(T)) for e in range(E)]
+        P = [float(p[:, e].mean()) for e in range(E)]
+        alone.append(sum(fe * pe for fe, pe in zip(f, P)))
+    assert float(sequence_balance_loss(probs, top, sequence, 4)) == pytest.approx(sum(alone) / 3)
+    uniform = torch.full((6, 3), 1 / 3, dtype=torch.float64)
+    spread = torch.tensor([[0], [1], [2], [0], [1], [2]])
+    assert float(sequence_balance_loss(uniform, spread, torch.tensor([0, 0, 0, 1, 1, 1]), 2)) == pytest.approx(1.0)
+
+
+def test_global_balance_share_on_one_rank():
+    """One rank holding every token: the share is the whole loss, sum_e f_e P_e with every choice counted; at k = 1 it
+    is the GShard/Switch loss (first choices: the only ones), E^2 mean(me ce)."""
+    g = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(13, 6, generator=g, dtype=torch.float64), -1)
+    top = probs.topk(2, -1).indices
+    counts = torch.bincount(top.reshape(-1), minlength=6)
+    want = sum(6 * counts[e] / (2 * 13) * probs[:, e].mean() for e in range(6))
+    torch.testing.assert_close(global_balance_share(probs, top, counts, 13), want)
+    one = top[:, :1]
+    torch.testing.assert_close(global_balance_share(probs, one, torch.bincount(one[:, 0], minlength=6), 13),
+                               balance_loss(probs, top))
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_layer_sequence_scope_reads_the_sequences_of_x(time_major):
+    """--moe-balance-loss-scope sequence: x [B, T, d] (or time-major [T, B, d]) with padding gives the loss of its
+    sequences, their padding left out; batch-major and time-major agree; a sequence's loss does not depend on the
+    others in the batch. scope batch is the GShard loss of the same routing."""
+    cfg = MoEConfig(model_dim=6, ffn_dim=4, num_experts=4, top_k=2, balance_loss_scope="sequence", capacity_factor=0)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    x = torch.randn(3, 5, 6)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    args = (x.transpose(0, 1), pad.t()) if time_major else (x, pad)
+    _, aux = layer(*args, time_major=time_major)
+    each = [layer(x[b, :5 - 2 * (b == 1)])[1].balance_loss for b in range(3)]
+    torch.testing.assert_close(aux.balance_loss, torch.stack(each).mean())
+    layer.cfg = dataclasses.replace(cfg, balance_loss_scope="batch")
+    _, batch = layer(x, pad)
+    real = x[~pad]
+    probs = torch.softmax(F.linear(real, layer.gate.weight), -1)
+    torch.testing.assert_close(batch.balance_loss, balance_loss(probs, probs.topk(2, -1).indices))
+
+
+def test_scope_needs_a_balance_loss():
+    with pytest.raises(ValueError, match="--moe-balance-loss-scope"):
+        MoEConfig(model_dim=6, ffn_dim=4, num_experts=4, top_k=1, routing="hash", balance_loss_scope="sequence"
+                  ).validate()

@@ -121,6 +121,8 @@ def test_random_token_selection():
     (dict(top1_weight="one", routing="dense"), "--moe-top1-weight"),
     (dict(routed_scaling_factor=0.0), "--moe-routed-scaling-factor"),
     (dict(routed_scaling_factor=2.5, routing="hash", top_k=1), "--moe-routed-scaling-factor"),
+    (dict(topk_renormalize=False, top_k=1), "--moe-topk-renormalize"),
+    (dict(topk_renormalize=False, normalize_gate_prob_before_dropping=True), "--moe-normalize-gate-prob-before"),
 ])
 def test_options_name_their_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
@@ -154,3 +156,18 @@ def test_top1_weight_one(capacity):
     # At k >= 2 the weights are renormalised over the kept choices anyway: the option changes nothing.
     two = [route(logits, 2, capacity, cfg=opts(top1_weight=w)) for w in ("prob", "one")]
     torch.testing.assert_close(two[0].weights, two[1].weights)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("k, capacity", [(2, 4), (3, None)])
+def test_topk_without_renormalisation(k, capacity, score):
+    """--no-moe-topk-renormalize (Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob false): the same choices and drops,
+    each kept row weighted by its token's score for that expert as it is (the normalised sigmoid scores for sigmoid)."""
+    logits = logits_for(k + 20)
+    scores = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, -1)
+    probs = scores / scores.sum(-1, keepdim=True) if score == "sigmoid" else scores
+    want = topk_oracle(probs, k, capacity)
+    r = route(logits, k, capacity, cfg=opts(top_k=k, score=score, topk_renormalize=False))
+    assert r.token_index.tolist() == want[0].tolist() and r.counts.tolist() == want[2].tolist()
+    expert = torch.repeat_interleave(torch.arange(5), r.counts)
+    torch.testing.assert_close(r.weights, scores[r.token_index, expert])

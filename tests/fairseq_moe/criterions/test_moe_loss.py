@@ -1,6 +1,7 @@
 """The criterions add exactly the weighted router losses; metrics, pad mask and eval capacity."""
 import math
 
+import fairseq  # noqa: F401  (before the plugin's modules, as fairseq loads them: also in a spawned rank)
 import pytest
 import torch
 
@@ -204,3 +205,67 @@ def test_the_cmr_loss_pulls_the_mean_gate_to_p(data_bin, tmp_path):
 
     with pytest.raises(FlagError, match="--cmr-gate-loss-wt 0.5 weights the gates of --moe-cmr, which the model"):
         losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", "--cmr-gate-loss-wt", "0.5")
+
+
+def _global_balance_ranks(rank, W, sizes, port):
+    """One rank of test_global_balance_loss_on_ranks_equals_one_process (see there)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from fairseq_moe.criterions.moe_loss import MoELossConfig, add_moe_loss
+    from fairseq_moe.models.moe_ffn import MoEFeedForward
+    from fairseq_moe_layer import MoEConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=0.0,
+                        eval_capacity_token_fraction=0.0, balance_loss_scope="global")
+        loss_cfg = MoELossConfig(moe_gate_loss_wt=0.5, moe_z_loss_wt=0.1)
+
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(MoEFeedForward(cfg), MoEFeedForward(cfg)).double()
+
+        # time-major batches [T, B, d]; rank r holds sizes[r] sentences, sample size = its real tokens
+        xs = [torch.randn(4, n, 6, generator=torch.Generator().manual_seed(90 + r), dtype=torch.float64)
+              for r, n in enumerate(sizes)]
+        weights = [torch.randn(4, n, 6, generator=torch.Generator().manual_seed(95 + r), dtype=torch.float64)
+                   for r, n in enumerate(sizes)]
+
+        def step(net, x, w, sample_size):
+            log = {}
+            loss = add_moe_loss(loss_cfg, net, (net(x) * w).sum(), sample_size, log)
+            loss.backward()
+            return loss, log
+
+        mine = model().train()
+        _, log = step(mine, xs[rank], weights[rank], 4 * sizes[rank])
+        S = 4 * sum(sizes)
+        grads = [p.grad.clone() for p in mine.parameters()]
+        for g in grads:  # fairseq's trainer: the gradients summed over the ranks, divided by the global sample size
+            dist.all_reduce(g)
+        logged = torch.stack([log["moe_balance_loss"], log["moe_z_loss"]]).detach()
+        dist.all_reduce(logged)
+        whole = model().eval()  # one process holding every sentence in one batch (eval: the same dropless routing)
+        _, ref_log = step(whole, torch.cat(xs, 1), torch.cat(weights, 1), S)
+        for (name, p), g in zip(whole.named_parameters(), grads):
+            torch.testing.assert_close(g / S, p.grad / S, msg=name)
+        torch.testing.assert_close(logged[0], ref_log["moe_balance_loss"].detach())  # the global loss, logged
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_global_balance_loss_on_ranks_equals_one_process():
+    """--moe-balance-loss-scope global through the criterion: 2 gloo ranks, each with its own sentences and sample
+    size (7 and 3 sentences), their gradients summed and divided by the global sample size as fairseq's trainer does,
+    equal one process holding every sentence in one batch (the router's, the experts' and every other gradient); the
+    logged balance loss summed over the ranks is that process's."""
+    from tests import warm
+    from tests.conftest import free_port
+
+    warm.spawn(_global_balance_ranks, 2, (2, (7, 3), free_port()))
