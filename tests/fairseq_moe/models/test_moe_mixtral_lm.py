@@ -59,6 +59,10 @@ def from_hf(hf):
         out[q + "gate.weight"] = s[moe + "gate.weight"]
         out[q + "experts.w1"] = torch.stack([torch.cat([g.t(), u.t()], 1) for g, u in zip(gate, up)])  # [E, d, 2f]
         out[q + "experts.w2"] = torch.stack([w.t() for w in down])  # [E, f, d]
+        if s.get(moe + "shared_expert.gate_proj.weight", torch.empty(0)).numel():  # Qwen2-MoE's gated shared expert
+            g, u, w = (s[f"{moe}shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down"))
+            out[q + "shared.w1"], out[q + "shared.w2"] = torch.cat([g.t(), u.t()], 1)[None], w.t()[None]
+            out[q + "shared_gate.weight"] = s[moe + "shared_expert_gate.weight"]
     return out
 
 
@@ -112,8 +116,7 @@ def test_mixtral_equals_transformers(lm_data_bin, tmp_path, dtype, kv_heads):
     compare(mixtral(lm_data_bin, tmp_path, "--decoder-kv-heads", str(kv_heads)), hf, dtype, TOL[dtype])
 
 
-# HF's norm_topk_prob=False (Qwen2/Qwen3/OLMoE's default: the top-k probabilities not renormalised) is not matched
-# yet: the layer's topk always renormalises for k >= 2 (an option of the layer is on its way).
+# norm_topk_prob False (Qwen2/Qwen3/OLMoE's default: the top-k probabilities as they are) is --no-moe-topk-renormalize.
 @pytest.mark.parametrize("kind,config,flags", [
     # Qwen3-MoE: q/k RMSNorm per head; head dim 16 with 4 heads (H x hd = 64 != d = 32); layer 0 dense (SwiGLU 64)
     ("Qwen3Moe", dict(head_dim=16, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
@@ -129,12 +132,27 @@ def test_mixtral_equals_transformers(lm_data_bin, tmp_path, dtype, kv_heads):
     ("Olmoe", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, eos_token_id=2,
                    clip_qkv=None, rope_theta=1e4),
      ("--qk-norm", "full", "--moe-expert-ffn-dim", "16", "--rope-theta", "1e4")),
-    # Qwen2-MoE: qkv bias (none on o); layer 0 dense; its shared expert of width 0 adds nothing (no gate of ours yet)
+    # Qwen2-MoE: qkv bias (none on o); layer 0 dense; its shared expert of width 0 adds nothing
     ("Qwen2Moe", dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=0,
                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2),
      ("--qkv-bias", "--moe-expert-ffn-dim", "16", "--decoder-moe-freq", "2", "--rms-norm-eps", "1e-6",
       "--rope-theta", "1e4")),
-], ids=["qwen3_moe", "qwen3_moe_attention_bias", "olmoe", "qwen2_moe"])
+    # Qwen2-MoE as it is: a wider shared expert whose output a sigmoid gate scales, top-k not renormalised
+    ("Qwen2Moe", dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=48,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+     ("--qkv-bias", "--moe-expert-ffn-dim", "16", "--moe-shared-expert-count", "1", "--moe-shared-expert-ffn-dim",
+      "48", "--moe-shared-expert-gate", "--no-moe-topk-renormalize", "--rms-norm-eps", "1e-6", "--rope-theta",
+      "1e4")),
+    # Qwen3-MoE and OLMoE with their default norm_topk_prob False (Qwen3 at top-3)
+    ("Qwen3Moe", dict(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=3,
+                      norm_topk_prob=False),
+     ("--qk-norm", "head", "--moe-expert-ffn-dim", "16", "--moe-top-k", "3", "--no-moe-topk-renormalize",
+      "--rms-norm-eps", "1e-6", "--rope-theta", "1e4")),
+    ("Olmoe", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=2,
+                   clip_qkv=None, rope_theta=1e4),
+     ("--qk-norm", "full", "--moe-expert-ffn-dim", "16", "--no-moe-topk-renormalize", "--rope-theta", "1e4")),
+], ids=["qwen3_moe", "qwen3_moe_attention_bias", "olmoe", "qwen2_moe_no_shared", "qwen2_moe", "qwen3_moe_raw_top3",
+        "olmoe_raw"])
 def test_other_moe_lms_equal_transformers(lm_data_bin, tmp_path, kind, config, flags):
     hf = hf_model(kind, torch.float32, **config)
     compare(mixtral(lm_data_bin, tmp_path, *flags), hf, torch.float32, TOL[torch.float32])
