@@ -236,6 +236,15 @@ REFUSALS = (
             "the bias update runs after every optimizer step, from the MoE task",
             {"model": lambda: _model_routed_by(_first(lambda p: "bias_update_rate" in p.options),
                                                bias_update_rate=0.01), "moe_task": False}),
+    Refusal("the global balance loss with a task that is not an MoE task", ("--moe-balance-loss-scope", "--task"),
+            "trainer",
+            lambda c: any(layer.balance_loss_scope == "global" for layer in c.layers()) and not c.moe_task,
+            "--moe-balance-loss-scope global needs --task moe_translation or moe_language_modeling (or another MoE "
+            "task): they tell the layers which batch is fairseq's dummy one (a rank whose data ran out), whose "
+            "tokens must count on no rank",
+            "with another task a dummy batch's tokens would count in every rank's global loss",
+            {"model": lambda: _model_routed_by(_first(lambda p: p.balance_loss), balance_loss_scope="global"),
+             "moe_task": False}),
     Refusal("Shazeer's importance and load losses without noisy top-k gating",
             ("--moe-gate-loss-type", "--moe-routing", "--moe-gate-noise"), "trainer",
             lambda c: c.loss("moe_gate_loss_type") == "importance_load" and any(

@@ -162,7 +162,7 @@ class LayerSettings:
                        f"{self.shared_experts})")
         if self.cmr_gate_drop and not self.cmr:
             bad("cmr_gate_drop", "is the dropout of --moe-cmr's gate, which is off")
-        for name in ("expert_output_masking", "final_output_masking", "cmr"):
+        for name in ("expert_output_masking", "final_output_masking", "cmr", "shared_expert_gate"):
             if policy.slots and getattr(self, name):
                 bad(name, f"applies to routed tokens, not to --moe-routing {self.routing}'s slots")
         if self.shared_expert_ffn_dim is not None and not self.shared_experts:

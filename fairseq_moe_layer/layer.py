@@ -4,6 +4,8 @@
     y, aux = layer(x)                 # x: [T, d] or [B, T, d]; y has x's shape
     y, aux = layer(x, top_k=1, capacity_factor=2.0)   # other settings for this call only (Tutel)
     loss = task_loss + 0.01 * aux.balance_loss + 0.001 * aux.z_loss
+    # (balance_loss_scope "global" on W processes: aux.balance_loss is this rank's share of the loss over every
+    # rank's tokens; the shares' gradients add up to its gradient: times W under DDP's mean of the gradients)
 
 Data path: gate -> route (the routing policy, routing.py; capacity) -> permute ->
 [all-to-all] -> grouped MLP -> [all-to-all] -> unpermute. The all-to-alls run when the experts are
@@ -57,6 +59,9 @@ class MoELayer(nn.Module):
         # NLLB-MoE's CMR gate: one logit per token, whose sigmoid mixes the shared FFN and the routed experts
         self.cmr_gate = nn.Linear(cfg.model_dim, 1) if cfg.cmr else None
         self._demand = None  # [E] fp32: assignments asked for since the last bias update (training forwards)
+        # A training forward whose loss is thrown away (fairseq's dummy batch, on a rank whose data ran out): its
+        # tokens count nowhere across the ranks, neither in the global balance loss nor in the balancing bias's load
+        self.ignored = False
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
         self.register_load_state_dict_pre_hook(_bias_as_configured)
@@ -128,7 +133,7 @@ class MoELayer(nn.Module):
         if plans and plans[0].counts is not r.counts:
             raise RuntimeError(f"--moe-routing {cfg.routing}: the routing read counts other than the kept counts it "
                                f"returns through host.routed (whose read the layer shares with the all-to-alls')")
-        if bias is not None and self.training:
+        if bias is not None and self.training and not self.ignored:
             self._demand = r.demand.detach().float() + (0 if self._demand is None else self._demand)
         weights = self._masked(r.weights, cfg.expert_output_masking)  # [N] (each expert output: --moe-eom)
         if self.ep is None:
@@ -237,6 +242,8 @@ class MoELayer(nn.Module):
             E = r.probs.shape[1]
             counted = torch.cat([count(r.top_experts.reshape(-1), E).double(),
                                  torch.full((1,), float(T), dtype=torch.float64, device=r.probs.device)])
+            if self.ignored:
+                counted = torch.zeros_like(counted)
             if shared_out:
                 torch.distributed.all_reduce(counted)
             balance = global_balance_share(r.probs, r.top_experts, counted[:E], counted[E]) + zero

@@ -115,7 +115,8 @@ def check_fits(state, model_keys, reset_optimizer, path, experts=None, model_cfg
 # Of the model's flags: those that decide which weights its MoE layers hold (names and shapes), with the
 # model's sizes; and those that choose only how a layer runs, not what it computes or learns (never named).
 STRUCTURAL = {"moe_expert_count", "moe_expert_ffn_dim", "moe_expert_kind", "moe_shared_expert_count",
-              "moe_shared_expert_ffn_dim", "moe_shared_expert_gate", "moe_routing",
+              "moe_shared_expert_ffn_dim", "moe_shared_expert_gate", "moe_routing", "decoder_kv_heads",
+              "decoder_head_dim", "qk_norm", "qkv_bias", "attention_bias",
               "moe_gate",
               "moe_soft_slots", "moe_freq", "encoder_moe_freq", "decoder_moe_freq", "encoder_embed_dim",
               "decoder_embed_dim", "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_layers", "decoder_layers"}

@@ -63,8 +63,11 @@ def add_moe_loss(cfg, model, loss, sample_size, logging_output):
     # The task loss is a sum over sample_size items (fairseq divides by it later, summed over the ranks): scale alike.
     # A global balance loss (--moe-balance-loss-scope global) is each rank's share of one loss over every rank's
     # tokens: weighted by the sample size of every rank, so that the ranks' gradients add up to its gradient.
-    balance_size = global_sample_size(sample_size, balance.device) if any(
-        a.balance_share_of_global for a in auxes) else sample_size
+    if any(a.balance_share_of_global for a in auxes):  # (a batch whose loss is thrown away counts as none)
+        ignored = any(block.moe.ignored for _, block in moe_blocks(model))
+        balance_size = global_sample_size(0 if ignored else sample_size, balance.device)
+    else:
+        balance_size = sample_size
     loss = loss + balance_size * cfg.moe_gate_loss_wt * gate_loss + sample_size * cfg.moe_z_loss_wt * z
     cmr = [a for a in auxes if a.cmr_gate_sum is not None]
     if cfg.cmr_gate_loss_wt and not cmr:
@@ -104,7 +107,7 @@ def global_sample_size(sample_size, device):
     """The sample size summed over every rank, a 0-d tensor on device (an all-reduce: every rank's criterion runs once
     per micro-batch in training, dummy batches too, where the layers made a global balance loss)."""
     total = sample_size.detach().to(device, torch.float64) if torch.is_tensor(sample_size) else \
-        torch.tensor(float(sample_size), dtype=torch.float64, device=device)
+        torch.full((), float(sample_size), dtype=torch.float64, device=device)  # (a fill: no copy from the host)
     torch.distributed.all_reduce(total)
     return total.float()
 

@@ -142,14 +142,14 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(d, args.decoder_ffn_embed_dim)
 
-    def forward(self, x, cos, sin, key_padding_mask=None, incremental_state=None):
-        """x [B, T, d] -> [B, T, d]; key_padding_mask [B, S] of the keys (its last T columns: x's tokens)."""
+    def forward(self, x, cos, sin, key_padding_mask=None, incremental_state=None, token_padding_mask=None):
+        """x [B, T, d] -> [B, T, d]; key_padding_mask [B, S] of the keys, token_padding_mask [B, T] of x's tokens
+        (its last T columns; one tensor for every layer: the MoE blocks keep what they read of it on it)."""
         h = self.self_attn(self.input_layernorm(x), cos, sin, key_padding_mask, incremental_state)
         x = x + F.dropout(h, self.dropout, self.training)
         h = self.post_attention_layernorm(x)
         if hasattr(self, "fc1"):  # the block is time-major: [T, B, d]
-            mask = None if key_padding_mask is None else key_padding_mask[:, -x.shape[1]:]  # [B, T]
-            self.fc1.padding_mask = mask if self.use_pad_mask else None
+            self.fc1.padding_mask = token_padding_mask if self.use_pad_mask else None
             try:
                 h = self.fc1(h.transpose(0, 1)).transpose(0, 1)
             finally:
@@ -199,7 +199,7 @@ class MoEMixtralDecoder(FairseqIncrementalDecoder):
         cache = None if incremental_state is None else self.get_incremental_state(incremental_state, "padding")
         past = 0 if cache is None else cache["mask"].shape[1]  # positions cached
         tokens = prev_output_tokens[:, past:]  # [B, T]
-        padding = tokens.eq(self.padding_idx)  # [B, T]
+        padding = new_padding = tokens.eq(self.padding_idx)  # [B, T]
         if cache is not None:
             padding = torch.cat([cache["mask"], padding], dim=1)  # [B, S]
         if incremental_state is not None:
@@ -211,7 +211,8 @@ class MoEMixtralDecoder(FairseqIncrementalDecoder):
         inner_states = [x]
         with token_ids(self, tokens):  # (hash routing: the token at each position)
             for layer in self.layers:
-                x = layer(x, cos, sin, key_padding_mask=key_padding_mask, incremental_state=incremental_state)
+                x = layer(x, cos, sin, key_padding_mask=key_padding_mask, incremental_state=incremental_state,
+                          token_padding_mask=None if key_padding_mask is None else new_padding)
                 inner_states.append(x)
         return self.norm(x), {"attn": [None], "inner_states": inner_states}
 

@@ -162,14 +162,16 @@ class MoETaskMixin:
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         at_update(model, update_num)  # (LayerDrop: every rank skips the layers drawn for this update)
         labels = self.sentence_labels(sample) if self.load_log is not None and self.load_log.pairs else None
-        blocks = [block for _, block in moe_blocks(model)] if labels is not None else []
+        blocks = [block for _, block in moe_blocks(model)]
         for block in blocks:
-            block.sentence_labels, block.label_count = labels, len(self.load_log.pairs)
+            if labels is not None:
+                block.sentence_labels, block.label_count = labels, len(self.load_log.pairs)
+            block.moe.ignored = ignore_grad  # (fairseq's dummy batch: its tokens count on no rank)
         try:
             out = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         finally:
             for block in blocks:
-                block.sentence_labels = None
+                block.sentence_labels, block.moe.ignored = None, False
         if self.load_log is not None and not ignore_grad:
             self.load_log.add(model)  # each micro-batch of --update-freq
         return out

@@ -169,11 +169,13 @@ def _check_routing_bias(rank, W):
     assert all(torch.equal(b, biases[0]) for b in biases) and spread.routing_bias.any()
 
 
-def _check_global_balance(rank, W, spread, sizes):
+def _check_global_balance(rank, W, spread, sizes, ignored=None):
     """--moe-balance-loss-scope global on W ranks (rank r holding sizes[r] tokens, maybe none; experts spread or
     not): the ranks' losses add up to the loss of one process holding every token (the layer in eval: no collective,
     the same dropless routing), and their gradients (summed over the ranks, as fairseq's trainer sums and divides by
-    the global sample size) to its gradient; each rank's input gradient is that process's on its tokens."""
+    the global sample size) to its gradient; each rank's input gradient is that process's on its tokens. Rank
+    `ignored` runs a batch whose loss is thrown away (fairseq's dummy batch: its gradient is dropped): the others
+    equal one process holding their tokens only."""
     cfg = MoEConfig(model_dim=6, ffn_dim=5, num_experts=4, top_k=2, capacity_factor=0.0,
                     eval_capacity_token_fraction=0.0, balance_loss_scope="global")
     torch.manual_seed(0)
@@ -183,13 +185,17 @@ def _check_global_balance(rank, W, spread, sizes):
     xs = [torch.randn(n, 6, generator=torch.Generator().manual_seed(70 + r), dtype=torch.float64)
           for r, n in enumerate(sizes)]
     x = xs[rank].clone().requires_grad_(True)
+    layer.ignored = rank == ignored
     _, aux = layer(x)
     assert aux.balance_share_of_global and aux.num_tokens == sizes[rank]
-    aux.balance_loss.backward()
-    total = aux.balance_loss.detach().clone()
+    (aux.balance_loss * (0.0 if layer.ignored else 1.0)).backward()  # (fairseq: a dummy batch's loss times 0)
+    total = aux.balance_loss.detach().clone() * (0.0 if layer.ignored else 1.0)
     dist.all_reduce(total)
     grad = layer.gate.weight.grad.clone()
     dist.all_reduce(grad)
+    if ignored is not None:
+        xs[ignored] = xs[ignored][:0]
+        sizes = [0 if r == ignored else n for r, n in enumerate(sizes)]
     xw = torch.cat(xs).requires_grad_(True)
     whole.eval()
     _, ref = whole(xw)
@@ -198,10 +204,13 @@ def _check_global_balance(rank, W, spread, sizes):
     torch.testing.assert_close(total, ref.balance_loss.detach())
     torch.testing.assert_close(grad, whole.gate.weight.grad)
     start = sum(sizes[:rank])
-    torch.testing.assert_close(x.grad, xw.grad[start:start + sizes[rank]])
-    # A rank's own tokens give another loss: the counts of the others changed it.
+    if rank != ignored:
+        torch.testing.assert_close(x.grad, xw.grad[start:start + sizes[rank]])
+    # A rank's own tokens give another loss: the counts of the others changed it. (Every rank runs it: with the
+    # experts spread a forward is a collective.)
     layer.eval()
-    assert not torch.allclose(layer(xs[rank])[1].balance_loss, aux.balance_loss.detach()) or not sizes[rank]
+    alone = layer(xs[rank])[1].balance_loss
+    assert not torch.allclose(alone, aux.balance_loss.detach()) or not sizes[rank] or ignored is not None
 
 
 def _check_bad_split(rank, W):
@@ -265,6 +274,7 @@ CHECKS = {
         (_check_host_reads, ()),
         (_check_global_balance, (False, (7, 12))),  # the global-batch balance loss, dense ranks
         (_check_global_balance, (True, (9, 5))),  # ... experts spread
+        (_check_global_balance, (False, (7, 12), 1)),  # ... rank 1 on fairseq's dummy batch
     ],
     4: [
         (_check_all_to_all, (2,)),  # hierarchical: 2 nodes x 2 local ranks
@@ -277,6 +287,7 @@ CHECKS = {
         (_check_host_reads, (2,)),  # the 2-D all-to-all: one read a call
         (_check_host_reads, (None, 2)),  # overlapped in 2 chunks: one read a call
         (_check_global_balance, (True, (6, 0, 11, 3))),  # the global-batch balance loss, a rank with no tokens
+        (_check_global_balance, (True, (6, 4, 11, 3), 2)),  # ... rank 2 on fairseq's dummy batch
     ],
 }
 

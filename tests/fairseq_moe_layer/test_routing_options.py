@@ -162,7 +162,7 @@ def test_top1_weight_one(capacity):
 @pytest.mark.parametrize("k, capacity", [(2, 4), (3, None)])
 def test_topk_without_renormalisation(k, capacity, score):
     """--no-moe-topk-renormalize (Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob false): the same choices and drops,
-    each kept row weighted by its token's score for that expert as it is (the normalised sigmoid scores for sigmoid)."""
+    each kept row weighted by its token's score for that expert as it is (the raw sigmoid for sigmoid, as DeepSeek)."""
     logits = logits_for(k + 20)
     scores = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, -1)
     probs = scores / scores.sum(-1, keepdim=True) if score == "sigmoid" else scores

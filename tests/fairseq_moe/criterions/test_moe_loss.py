@@ -207,7 +207,7 @@ def test_the_cmr_loss_pulls_the_mean_gate_to_p(data_bin, tmp_path):
         losses(data_bin, tmp_path, "moe_label_smoothed_cross_entropy", "--cmr-gate-loss-wt", "0.5")
 
 
-def _global_balance_ranks(rank, W, sizes, port):
+def _global_balance_ranks(rank, W, sizes, port, ignored=None):
     """One rank of test_global_balance_loss_on_ranks_equals_one_process (see there)."""
     import datetime
 
@@ -243,12 +243,19 @@ def _global_balance_ranks(rank, W, sizes, port):
             return loss, log
 
         mine = model().train()
-        _, log = step(mine, xs[rank], weights[rank], 4 * sizes[rank])
+        dummy = rank == ignored  # fairseq's dummy batch (the MoE tasks mark it): the loss times 0, sample size 0
+        for block in mine:
+            block.moe.ignored = dummy
+        log = {}
+        loss = add_moe_loss(loss_cfg, mine, (mine(xs[rank]) * weights[rank]).sum(), 4 * sizes[rank], log)
+        (loss * (0.0 if dummy else 1.0)).backward()
+        if ignored is not None:
+            xs, weights, sizes = ([v for r, v in enumerate(t) if r != ignored] for t in (xs, weights, sizes))
         S = 4 * sum(sizes)
         grads = [p.grad.clone() for p in mine.parameters()]
         for g in grads:  # fairseq's trainer: the gradients summed over the ranks, divided by the global sample size
             dist.all_reduce(g)
-        logged = torch.stack([log["moe_balance_loss"], log["moe_z_loss"]]).detach()
+        logged = torch.stack([log["moe_balance_loss"], log["moe_z_loss"]]).detach() * (0.0 if dummy else 1.0)
         dist.all_reduce(logged)
         whole = model().eval()  # one process holding every sentence in one batch (eval: the same dropless routing)
         _, ref_log = step(whole, torch.cat(xs, 1), torch.cat(weights, 1), S)
@@ -269,3 +276,5 @@ def test_global_balance_loss_on_ranks_equals_one_process():
     from tests.conftest import free_port
 
     warm.spawn(_global_balance_ranks, 2, (2, (7, 3), free_port()))
+    # Rank 1 on fairseq's dummy batch: rank 0 alone, as one process holding its sentences
+    warm.spawn(_global_balance_ranks, 2, (2, (7, 3), free_port(), 1))

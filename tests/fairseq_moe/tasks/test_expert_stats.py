@@ -32,3 +32,30 @@ def test_moe_metrics_reach_tensorboard(data_bin, tmp_path):
     train, valid = scalar_tags(logdir / "train_inner"), scalar_tags(logdir / "valid")
     for tags in (train, valid):
         assert {"loss", "moe_balance_loss", "moe_imbalance", "moe_encoder1_balance", "moe_decoder1_entropy"} <= tags, tags
+
+
+def test_a_dummy_batch_is_marked_on_the_layers(data_bin, tmp_path):
+    """The MoE tasks' train_step tells the layers when fairseq runs its dummy batch (ignore_grad: a rank whose data ran
+    out), for one step: the global balance loss and the balancing bias then count its tokens on no rank."""
+    from types import SimpleNamespace
+
+    from fairseq_moe.models.moe_ffn import moe_blocks
+
+    from tests.fairseq_moe.criterions.test_moe_loss import first_batch
+    from tests.fairseq_moe.helpers import build
+
+    task, model, criterion, args = build(train_argv(data_bin, tmp_path))
+    seen = []
+    forward = criterion.forward
+
+    def watched(model, sample, **kwargs):
+        seen.append([block.moe.ignored for _, block in moe_blocks(model)])
+        return forward(model, sample, **kwargs)
+
+    criterion.forward = watched
+    sample = first_batch(task, args)
+    optimizer = SimpleNamespace(backward=lambda loss: loss.backward())
+    for ignore_grad in (True, False):
+        task.train_step(sample, model, criterion, optimizer, 0, ignore_grad=ignore_grad)
+    assert seen == [[True, True], [False, False]]
+    assert not any(block.moe.ignored for _, block in moe_blocks(model))
