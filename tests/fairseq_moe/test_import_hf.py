@@ -112,6 +112,7 @@ def test_import_then_export_is_bit_identical(imported, tmp_path):
     assert sorted(vocab.values()) == list(range(COMMON["vocab_size"])) and vocab["hf7"] == 7
 
 
+@pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
 def test_eval_lm_scores_the_imported_model_as_transformers(imported, tmp_path):
     """fairseq-eval-lm on sentences of HF ids (binarised with the imported dict.txt, each after </s>, HF's eos):
     its loss is transformers' cross-entropy of the same tokens, with the logit 0 of each row added for a fairseq
@@ -119,9 +120,7 @@ def test_eval_lm_scores_the_imported_model_as_transformers(imported, tmp_path):
     from fairseq import options
     from fairseq_cli import preprocess
 
-    kind, hf, root, ckpt, ids = imported
-    if kind != "mixtral":
-        pytest.skip("one family is enough for fairseq-eval-lm")
+    _, hf, root, ckpt, ids = imported
     g = torch.Generator().manual_seed(2)
     sentences = [torch.randint(3, COMMON["vocab_size"], (n,), generator=g) for n in (5, 8, 3, 6)]
     (tmp_path / "valid.txt").write_text("".join(" ".join(f"hf{i}" for i in s.tolist()) + "\n" for s in sentences))
@@ -154,11 +153,39 @@ def test_what_our_model_cannot_express_is_refused_by_the_field(tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+@pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
 def test_nothing_is_overwritten(imported, tmp_path, capsys):
-    kind, _, root, ckpt, _ = imported
-    if kind != "mixtral":
-        pytest.skip("once")
+    _, _, root, _, _ = imported
     (tmp_path / "dict.txt").write_text("x 1\n")
     assert import_hf.main([str(root / "hf"), str(tmp_path / "ours.pt")]) == 2
     assert "dict.txt exists" in one_error_line(capsys.readouterr().err, "python -m fairseq_moe.import_hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dict.txt"]
+
+
+@pytest.mark.parametrize("imported", ["qwen2_moe"], indirect=True)
+def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path):
+    """fairseq-train --finetune-from-model OUT.pt with the flags import_hf chose (hf_lm.fairseq_flags): 2 updates."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    from fairseq_moe.checkpoints import hf_lm
+    from tests.fairseq_moe.helpers import lm_train_argv, run_train
+
+    _, hf, root, ckpt, _ = imported
+    g = torch.Generator().manual_seed(4)
+    for split in ("train", "valid"):
+        (tmp_path / f"{split}.txt").write_text("".join(
+            " ".join(f"hf{i}" for i in torch.randint(3, COMMON["vocab_size"], (7,), generator=g).tolist()) + "\n"
+            for _ in range(20)))
+    preprocess.main(options.get_preprocessing_parser().parse_args([
+        "--only-source", "--srcdict", str(root / "ours" / "dict.txt"), "--trainpref", str(tmp_path / "train.txt"),
+        "--validpref", str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"), "--workers", "1"]))
+    flags = hf_lm.fairseq_flags(json.loads((root / "hf" / "config.json").read_text()), "config.json")
+    argv = lm_train_argv(str(tmp_path / "bin"), tmp_path / "save", *flags, "--finetune-from-model", str(ckpt),
+                         "--max-update", "2", "--required-batch-size-multiple", "1")
+    argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm"
+    run_train(argv)
+    state = torch.load(tmp_path / "save" / "checkpoint_last.pt", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == 2
+    before = torch.load(ckpt, weights_only=True)["model"]
+    assert state["model"].keys() == before.keys()
