@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from . import with_fairseq
 from .checkpoints import hf_lm
 from .checkpoints import sets as shards
 from .checkpoints.command import PROG, new_checkpoint, parser, run
@@ -34,6 +35,8 @@ def read_hf(hf_dir):
         raise FlagError("import_hf needs transformers: pip install 'fairseq-moe[hf]'") from None
     import torch
 
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"HF_DIR {hf_dir}: no such folder (config.json and the weights)")
     where = os.path.join(hf_dir, "config.json")
     try:
         with open(where, encoding="utf-8") as f:
@@ -113,7 +116,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     return run(p.prog, lambda: import_hf(a.hf_dir, a.output, a.data_dir),
                lambda done: f"{a.output}: transformers' {done[0]} as --arch moe_mixtral_lm; written "
-                            f"{', '.join(done[1])}; continue with fairseq-train ... --finetune-from-model {a.output}")
+                            f"{', '.join(done[1])}; continue with fairseq-train ... --finetune-from-model {a.output}",
+               setup=with_fairseq)
 
 
 if __name__ == "__main__":
