@@ -26,23 +26,29 @@ from argparse import Namespace
 from .errors import CheckpointError, FlagError
 from .checkpoints.new_files import one_line, refuse_existing
 from .checkpoints.command import PROG, check_data, parser, read_any, run, safe_globals
+from .checkpoints import hf_lm
 from .checkpoints.fits import expert_counts
 from .checkpoints.state import every_nth, section
 
 _MOE = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
+_LM_MOE = re.compile(r"^decoder\.layers\.(\d+)\.fc1\.moe\.gate\.weight$")
 _RENAMES = ((".encoder_attn_layer_norm.", ".cross_attention_layer_norm."), (".encoder_attn.", ".cross_attention."),
             (".final_layer_norm.", ".ff_layer_norm."))
 
 
 def _flags(state, path):
+    """(our model's flags, whether it is a moe_mixtral_lm) of a checkpoint, or the reason no export takes it."""
     model = state.get("cfg", {}).get("model") if isinstance(state.get("cfg"), dict) else None
     arch = str(getattr(model, "arch", "")) if isinstance(model, Namespace) else ""
+    if arch.startswith("moe_mixtral_lm"):
+        return vars(model), True
     if not arch.startswith("moe_transformer"):
-        raise CheckpointError(f"{path} is not a moe_transformer checkpoint (cfg.model): NllbMoe is an encoder-"
-                              f"decoder; export translation models")
+        raise CheckpointError(f"{path} is not a moe_transformer or moe_mixtral_lm checkpoint (cfg.model): export "
+                              f"translation models (NllbMoe) or moe_mixtral_lm language models")
     if arch.startswith("moe_transformer_lm"):
-        raise CheckpointError(f"{path} is a language model (--arch {model.arch}): NllbMoe is an encoder-decoder")
-    return vars(model)
+        raise CheckpointError(f"{path} is a language model (--arch {model.arch}): NllbMoe is an encoder-decoder; "
+                              f"transformers' MoE causal LMs take --arch moe_mixtral_lm")
+    return vars(model), False
 
 
 def sparse_step(layers, count, side):
@@ -211,15 +217,14 @@ def vocabulary(state, path, data):
     return list(d.symbols)
 
 
-def export(ckpt, out_dir, data=None):
-    """Write OUT_DIR from CKPT; returns (OUT_DIR, what differs in training)."""
-    try:
-        import transformers
-    except ImportError:
-        raise FlagError("export_hf needs transformers: pip install 'fairseq-moe[hf]'") from None
-    refuse_existing([out_dir], out="OUT_DIR")
-    state = read_any(ckpt)
-    flags = _flags(state, ckpt)
+def data_folder(state, path, data):
+    """The data folder of the checkpoint's task: --data, or as saved."""
+    folder = data or section(state["cfg"], "task", path).get("data")
+    return str(folder).split(os.pathsep)[0] if folder else None
+
+
+def nllb(state, flags, ckpt, data):
+    """(class prefix, config, weights, vocab.json, what differs in training) of a moe_transformer."""
     model = state["model"]
     moe_layers = [(m.group(1), int(m.group(2))) for k in model if (m := _MOE.match(k))]
     vocab = model["encoder.embed_tokens.weight"].shape[0]
@@ -228,40 +233,84 @@ def export(ckpt, out_dir, data=None):
     if len(symbols) != vocab:
         raise FlagError(f"the task's dictionary has {len(symbols)} symbols, the model's embeddings {vocab} rows: "
                         f"not this model's data (--data)")
-    hf = transformers.NllbMoeForConditionalGeneration(transformers.NllbMoeConfig(**config))
-    weights = hf_weights(model)
+    return "NllbMoe", config, hf_weights(model), {s: i for i, s in enumerate(symbols)}, training
+
+
+def causal_lm(state, flags, ckpt, data):
+    """(class prefix, config, weights, vocab.json, what differs in training) of a moe_mixtral_lm: the family its
+    flags select (hf_lm.family). With hf_token_ids.json beside CKPT or in the data folder (import_hf wrote it), the
+    vocabulary goes back to HF's ids, the rows added for fairseq's specials dropped."""
+    model = state["model"]
+    moe = sorted(int(m[1]) for k in model if (m := _LM_MOE.match(k)))
+    counts = sorted({model[f"decoder.layers.{i}.fc1.moe.gate.weight"].shape[0] for i in moe})
+    if len(counts) != 1:
+        raise FlagError(f"--moe-expert-count {flags.get('moe_expert_count')} gives its MoE layers different expert "
+                        f"counts {counts}: transformers' MoE LMs have one")
+    rows = model["decoder.embed_tokens.weight"].shape[0]
+    symbols = vocabulary(state, ckpt, data)
+    if len(symbols) != rows:
+        raise FlagError(f"the task's dictionary has {len(symbols)} symbols, the model's embeddings {rows} rows: "
+                        f"not this model's data (--data)")
+    ids = None
+    for folder in (os.path.dirname(os.path.abspath(ckpt)), data_folder(state, ckpt, data)):
+        path = os.path.join(folder or "", hf_lm.TOKEN_IDS)
+        if folder and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                ids = json.load(f)
+            hf_lm.check_ids(ids, rows, path)
+            break
+    specials = hf_lm.specials_of(ids) if ids else {"bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2}
+    flags = dict(flags, max_target_positions=flags.get("max_target_positions") or flags.get("tokens_per_sample"))
+    kind, config, training = hf_lm.hf_config(flags, moe, counts[0], rows - (ids or []).count(-1), specials)
+    vocab = {s: (ids[i] if ids else i) for i, s in enumerate(symbols) if not ids or ids[i] >= 0}
+    return hf_lm.FAMILIES[kind], config, hf_lm.to_hf(model, kind, ids), vocab, training
+
+
+def export(ckpt, out_dir, data=None):
+    """Write OUT_DIR from CKPT; returns (OUT_DIR, transformers' class, what differs in training)."""
+    try:
+        import transformers
+    except ImportError:
+        raise FlagError("export_hf needs transformers: pip install 'fairseq-moe[hf]'") from None
+    refuse_existing([out_dir], out="OUT_DIR")
+    state = read_any(ckpt)
+    flags, lm = _flags(state, ckpt)
+    name, config, weights, vocab, training = (causal_lm if lm else nllb)(state, flags, ckpt, data)
+    cls = f"{name}ForCausalLM" if lm else f"{name}ForConditionalGeneration"
+    hf = getattr(transformers, cls)(getattr(transformers, f"{name}Config")(**config))
     theirs = hf.state_dict()
     if weights.keys() != theirs.keys():
-        raise CheckpointError(f"{ckpt}: parameters NllbMoe does not have: {sorted(weights.keys() - theirs.keys())[:3]}"
-                              f"; NllbMoe's that this model lacks: {sorted(theirs.keys() - weights.keys())[:3]}")
+        raise CheckpointError(f"{ckpt}: parameters {name} does not have: {sorted(weights.keys() - theirs.keys())[:3]}"
+                              f"; {name}'s that this model lacks: {sorted(theirs.keys() - weights.keys())[:3]}")
     hf.load_state_dict({k: v.to(theirs[k].dtype) for k, v in weights.items()}, strict=True)
     tmp = out_dir.rstrip("/") + ".partial"
     refuse_existing([tmp], out="OUT_DIR")
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
-            json.dump({s: i for i, s in enumerate(symbols)}, f, ensure_ascii=False, indent=0)
+            json.dump(vocab, f, ensure_ascii=False, indent=0)
         os.rename(tmp, out_dir)
     except BaseException:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir, training
+    return out_dir, cls, training
 
 
 def main(argv=None):
     p = parser(PROG.format("export_hf"), __doc__)
-    p.add_argument("checkpoint", help="CKPT: a moe_transformer checkpoint (a single file, or NAME.pt of a set)")
+    p.add_argument("checkpoint", help="CKPT: a moe_transformer or moe_mixtral_lm checkpoint (a single file, or NAME.pt "
+                                      "of a set)")
     p.add_argument("output", help="OUT_DIR (new): config.json, model.safetensors, vocab.json")
     p.add_argument("--data", help="the data folder whose dictionary the model was trained with (default: the "
                                   "checkpoint's task's, as saved)")
     a = p.parse_args(argv)
 
     def report(done):
-        out, training = done
-        lines = [f"{out}: NllbMoeForConditionalGeneration.from_pretrained({out!r}) computes this model's evaluation"]
-        lines += [f"  in training only, NllbMoe differs: {line}" for line in training]
+        out, cls, training = done
+        lines = [f"{out}: {cls}.from_pretrained({out!r}) computes this model's evaluation"]
+        lines += [f"  in training only, {cls} differs: {line}" for line in training]
         return "\n".join(lines)
 
     return run(p.prog, lambda: export(a.checkpoint, a.output, a.data), report, setup=safe_globals)

@@ -225,6 +225,7 @@ def test_tests_mirror_the_packages():
 # Modules whose behaviour is tested in the file of another (the module that drives them), not in one of their own.
 TESTED_IN = {
     "fairseq_moe/consolidate.py": "tests/fairseq_moe/test_reshard.py (consolidate is reshard to one file)",
+    "fairseq_moe/checkpoints/hf_lm.py": "tests/fairseq_moe/test_import_hf.py and test_export_hf_lm.py (both ways)",
     "fairseq_moe/checkpoints/state.py": "the commands' tests (test_upcycle, test_prune, test_convert_moe_branch)",
     "fairseq_moe/checkpoints/new_files.py": "tests/fairseq_moe/checkpoints/test_command_input.py (nothing written)",
     "fairseq_moe/models/moe_ffn.py": "tests/fairseq_moe/models/test_moe_transformer*.py (the layers it builds)",

@@ -223,6 +223,7 @@ MISSING = [
     ("upcycle", lambda d: [d / "none.pt", d / "out.pt", "--experts", "2"], "none.pt is missing"),
     ("convert_moe_branch", lambda d: [d / "none", d / "out.pt"], "none-shared.pt is missing"),
     ("export_hf", lambda d: [d / "none.pt", d / "hf"], "none.pt: no such checkpoint"),
+    ("import_hf", lambda d: [d / "none", d / "out.pt"], "HF_DIR " + "{d}/none: no such folder"),
     ("prune", lambda d: [d / "none.pt", d / "out.pt", "--data", d, "--keep", "0.5"], "none.pt: no such checkpoint"),
     ("grow", lambda d: [d / "none.pt", d / "out.pt", "--add", "2"], "none.pt: no such checkpoint"),
     ("inspect", lambda d: [d / "none.pt", "--data", d, "--input", d / "in.txt", "--out", d / "o"],
