@@ -1,4 +1,4 @@
-"""Language modelling on public-domain text: a Mixture-of-Experts LM vs. a dense one.
+"""Language modelling on public-domain text: a Mixture-of-Experts LM, a Mixtral-style one and a dense one.
 
 From the repository root (scripts/lm.sh does the same with the quickstart's venv):
 
@@ -10,16 +10,21 @@ End to end, it
      (French, public domain) for a bilingual LM; --text-file takes your own text (one sentence per line);
   2. holds whole books out: test = Judges + Mark, valid = Joshua + Romans (your own text: random lines);
   3. learns a sentencepiece BPE on train and binarises with fairseq-preprocess --only-source;
-  4. trains `moe_transformer_lm_tiny` (4 layers, d=128, layers 2 and 4 an MoE of 8 experts of 256, top-2) and
-     the dense `transformer_lm` of the same active FFN size (512) with the same budget (updates, batch,
-     lr schedule, seed); CPU by default;
+  4. trains `moe_transformer_lm_tiny` (4 layers, d=128, layers 2 and 4 an MoE of 8 experts of 256, top-2), the
+     Mixtral-style `moe_mixtral_lm` of the same shape and active FLOPs (RMSNorm, rotary positions, 2 kv heads for 4
+     query heads, SwiGLU: experts of 171, dense layers of 341, 2/3 of the widths above) and the dense
+     `transformer_lm` of the same active FFN size (512), with the same budget (updates, batch, lr schedule,
+     seed); CPU by default (--skip-modern, --skip-dense: fewer models);
   5. scores the test books with fairseq-eval-lm (perplexity per BPE token, sentences scored on their own);
-  6. prints a table (parameters, test and valid perplexity, training time) and writes results.json, a
-     loss-curve PNG of both models (loss_moe_vs_dense.png) and the MoE run's pictures (fairseq_moe.plot).
+     exports the Mixtral-style model to transformers (fairseq_moe.export_hf) and scores the same test batches
+     there: the two perplexities must agree;
+  6. prints a table (parameters, test and valid perplexity, training time and tokens/s) and writes results.json,
+     a loss-curve PNG of the models (loss_moe_vs_dense.png) and the MoE run's pictures (fairseq_moe.plot).
 
 The default budget (2,000 updates of 2,048 tokens per model) takes about 35 minutes on 2 CPU cores (34 min 47 s on 2026-11-30, data preparation and evaluation included).
 """
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -56,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-updates", type=int, default=None, help="default: a fifth of --max-update, <= 4000")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train and evaluate on CPU or a GPU")
     p.add_argument("--fp16", action="store_true", help="mixed precision (--device cuda only)")
-    p.add_argument("--skip-dense", action="store_true", help="train only the MoE model")
+    p.add_argument("--skip-dense", action="store_true", help="do not train the dense model")
+    p.add_argument("--skip-modern", action="store_true", help="do not train the Mixtral-style MoE model")
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args(argv)
     for flag in ("max_update", "max_tokens", "experts", "top_k", "lr"):
@@ -187,14 +193,26 @@ def dense_cmd(a, data_bin, save_dir):
         "--decoder-normalize-before", *common_args(a, save_dir)]
 
 
+def modern_cmd(a, data_bin, save_dir):
+    """The Mixtral-style MoE LM of the same shape as moe_cmd's and the same active FLOPs per token: SwiGLU (three
+    matrices where the FFN has two) at 2/3 of the widths, MoE every 2nd layer as there; 2 kv heads for the 4 query
+    heads (grouped-query attention: smaller k and v projections); rotary positions (theta 1e4), RMSNorm, no biases.
+    The MoE settings (experts, k, capacity, balance loss) are moe_cmd's."""
+    return pipeline.fairseq_cmd("train") + [
+        str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "moe_language_modeling",
+        "--arch", "moe_mixtral_lm", "--criterion", "moe_cross_entropy", "--decoder-kv-heads", "2",
+        "--decoder-ffn-embed-dim", str(round(2 * DENSE_FFN_DIM / 3)), "--decoder-moe-freq", "2", "--rope-theta", "1e4",
+        "--moe-expert-count", str(a.experts), "--moe-top-k", str(a.top_k), "--moe-expert-ffn-dim",
+        str(round(2 * a.expert_ffn_dim / 3)), "--moe-capacity-factor", "1.25", "--moe-eval-capacity-token-fraction",
+        "0", "--moe-gate-loss-wt", "0.01", *common_args(a, save_dir)]
+
+
 def eval_lm(a, data_bin, checkpoint, out_dir):
     """fairseq-eval-lm on the test split: {'loss' (base 2), 'ppl'} per BPE token."""
     log = Path(out_dir) / "eval-test.log"
     pipeline.run_logged(pipeline.fairseq_cmd("eval_lm") + [
         str(data_bin), "--user-dir", str(PLUGIN_DIR), "--path", str(checkpoint), "--gen-subset", "test",
         *DATA_FLAGS, "--max-tokens", "4096", "--num-workers", "0", *(["--cpu"] if a.device == "cpu" else [])], log)
-    import re
-
     found = re.findall(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", log.read_text(encoding="utf-8"))
     if not found:
         raise pipeline.StepError(f"no perplexity in {log}")
@@ -208,7 +226,66 @@ def train_and_score(a, name, cmd, data_bin, model_dir):
     return {"params": pipeline.count_params(model_dir / "train.log"), **eval_lm(a, data_bin, checkpoint, model_dir),
             **{f"valid_{k}": v for k, v in pipeline.last_valid_stats(model_dir / "train.log").items()},
             "train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu_seconds, 1),
+            "train_tokens_per_second": round(training_tokens_per_second(model_dir / "train.log"), 1),
             "checkpoint": str(checkpoint)}
+
+
+def training_tokens_per_second(log_file):
+    """Tokens trained on per second of training (fairseq's train_wall: validation and saving left out), over the
+    whole run, from the end-of-epoch lines of fairseq-train's log (wpb x the epoch's updates, and its train_wall)."""
+    tokens = seconds = updates = 0.0
+    for line in open(log_file, encoding="utf-8"):
+        if "| train | epoch" not in line:
+            continue
+        stats = {k: float(v) for k, v in re.findall(r"\| (\w+) ([-\d.e+]+)", line)}
+        tokens += stats["wpb"] * (stats["num_updates"] - updates)
+        seconds += stats["train_wall"]
+        updates = stats["num_updates"]
+    if not seconds:
+        raise pipeline.StepError(f"no end-of-epoch training line in {log_file}")
+    return tokens / seconds
+
+
+def transformers_test_loss(a, data_bin, hf_dir):
+    """The exported model in transformers on the batches fairseq-eval-lm scores (the test split as the task makes
+    it, each verse a sample: source = eos + verse, target = verse + eos, right-padded): the loss per target token,
+    base 2."""
+    import math
+
+    import torch
+    import transformers
+    from fairseq import options, tasks
+
+    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
+        str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "language_modeling", *DATA_FLAGS])
+    task = tasks.setup_task(args)
+    task.load_dataset("test")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    pad = task.source_dictionary.pad()
+    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_tokens=4096, ignore_invalid_inputs=True)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sample in batches.next_epoch_itr(shuffle=False):
+            src, target = sample["net_input"]["src_tokens"], sample["target"]
+            logits = model(src, attention_mask=src.ne(pad).long()).logits.float()
+            lprobs = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            real = target.ne(pad)
+            total -= float(lprobs[real].sum())
+            count += int(real.sum())
+    return total / count / math.log(2)
+
+
+def export_and_compare(a, data_bin, result, model_dir):
+    """fairseq_moe.export_hf of the Mixtral-style model, then its test loss in transformers beside eval-lm's."""
+    hf_dir = Path(model_dir) / "hf"
+    if hf_dir.exists():
+        import shutil
+
+        shutil.rmtree(hf_dir)
+    pipeline.run_logged([sys.executable, "-m", "fairseq_moe.export_hf", result["checkpoint"], str(hf_dir), "--data",
+                         str(data_bin)], Path(model_dir) / "export_hf.log")
+    loss = transformers_test_loss(a, data_bin, hf_dir)
+    return {"hf_dir": str(hf_dir), "transformers_test_loss": round(loss, 5), "transformers_test_ppl": round(2 ** loss, 3)}
 
 
 def loss_curves(runs, png):
@@ -219,12 +296,12 @@ def loss_curves(runs, png):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, log), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+    for (name, log), color in zip(runs.items(), ("tab:blue", "tab:green", "tab:orange")):
         train, valid = read_log(log)
         ax.plot([r["num_updates"] for r in train], [r["loss"] for r in train], color=color, label=f"{name} (train)")
         ax.plot([r["num_updates"] for r in valid], [r["loss"] for r in valid], "o--", color=color,
                 label=f"{name} (valid)")
-    ax.set(xlabel="update", ylabel="loss (base 2, per BPE token)", title="MoE vs dense language model")
+    ax.set(xlabel="update", ylabel="loss (base 2, per BPE token)", title="MoE, Mixtral-style MoE and dense LMs")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -244,16 +321,26 @@ def main(argv=None):
         stats.unlink(missing_ok=True)
         results = {"moe": train_and_score(a, "MoE", moe_cmd(a, data_bin, run_dir / "moe", stats), data_bin,
                                           run_dir / "moe")}
+        if not a.skip_modern:
+            results["mixtral"] = train_and_score(a, "Mixtral-style MoE", modern_cmd(a, data_bin, run_dir / "mixtral"),
+                                                 data_bin, run_dir / "mixtral")
+            print("\n===== the Mixtral-style model in transformers =====", flush=True)
+            results["mixtral"].update(export_and_compare(a, data_bin, results["mixtral"], run_dir / "mixtral"))
         if not a.skip_dense:
             results["dense"] = train_and_score(a, "dense", dense_cmd(a, data_bin, run_dir / "dense"), data_bin,
                                                run_dir / "dense")
     except (corpus.CorpusError, pipeline.StepError) as e:
         sys.exit(f"error: {e}")
     print(f"\n{'model':8s} {'params':>10s} {'test ppl':>9s} {'valid ppl':>9s} {'train (wall)':>12s} "
-          f"{'train (CPU)':>11s}")
+          f"{'train (CPU)':>11s} {'tokens/s':>9s}")
     for name, r in results.items():
         print(f"{name:8s} {r['params']:>10,d} {r['test_ppl']:>9.2f} {r.get('valid_ppl', float('nan')):>9.2f} "
-              f"{pipeline_duration(r['train_seconds']):>12s} {pipeline_duration(r['train_cpu_seconds']):>11s}")
+              f"{pipeline_duration(r['train_seconds']):>12s} {pipeline_duration(r['train_cpu_seconds']):>11s} "
+              f"{r['train_tokens_per_second']:>9.0f}")
+    if "mixtral" in results:
+        r = results["mixtral"]
+        print(f"mixtral in transformers ({r['hf_dir']}): test loss {r['transformers_test_loss']:.5f} (base 2), ppl "
+              f"{r['transformers_test_ppl']:.3f}; fairseq-eval-lm: {r['test_loss']:.5f}, {r['test_ppl']:.3f}")
     pictures = [str(loss_curves({n: run_dir / n / "train.log" for n in results}, run_dir / "loss_moe_vs_dense.png"))]
     if stats.exists() and stats.stat().st_size:
         pictures += [str(run_dir / n) for n in plot_run(stats, run_dir / "moe" / "train.log", run_dir,
