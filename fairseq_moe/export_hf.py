@@ -233,13 +233,14 @@ def nllb(state, flags, ckpt, data):
     if len(symbols) != vocab:
         raise FlagError(f"the task's dictionary has {len(symbols)} symbols, the model's embeddings {vocab} rows: "
                         f"not this model's data (--data)")
-    return "NllbMoe", config, hf_weights(model), {s: i for i, s in enumerate(symbols)}, training
+    return "NllbMoe", config, hf_weights(model), {s: i for i, s in enumerate(symbols)}, training, []
 
 
-def causal_lm(state, flags, ckpt, data):
-    """(class prefix, config, weights, vocab.json, what differs in training) of a moe_mixtral_lm: the family its
-    flags select (hf_lm.family). With hf_token_ids.json beside CKPT or in the data folder (import_hf wrote it), the
-    vocabulary goes back to HF's ids, the rows added for fairseq's specials dropped."""
+def causal_lm(state, flags, ckpt, data, token_ids=None):
+    """(class prefix, config, weights, vocab.json, what differs in training, notes) of a moe_mixtral_lm: the family
+    its flags select (hf_lm.family). With hf_token_ids.json (token_ids, or beside CKPT, or in the data folder:
+    import_hf wrote it), the vocabulary goes back to HF's ids, the rows added for fairseq's specials dropped (a note
+    where training changed them)."""
     model = state["model"]
     moe = sorted(int(m[1]) for k in model if (m := _LM_MOE.match(k)))
     counts = sorted({model[f"decoder.layers.{i}.fc1.moe.gate.weight"].shape[0] for i in moe})
@@ -252,22 +253,39 @@ def causal_lm(state, flags, ckpt, data):
         raise FlagError(f"the task's dictionary has {len(symbols)} symbols, the model's embeddings {rows} rows: "
                         f"not this model's data (--data)")
     ids = None
-    for folder in (os.path.dirname(os.path.abspath(ckpt)), data_folder(state, ckpt, data)):
-        path = os.path.join(folder or "", hf_lm.TOKEN_IDS)
-        if folder and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                ids = json.load(f)
+    places = [token_ids] if token_ids else [os.path.join(folder, hf_lm.TOKEN_IDS) for folder in (
+        os.path.dirname(os.path.abspath(ckpt)), data_folder(state, ckpt, data)) if folder]
+    for path in places:
+        if os.path.isfile(path) or path == token_ids:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    ids = json.load(f)
+            except (OSError, ValueError) as e:
+                raise FlagError(f"--token-ids {path}: not a list of token ids ({type(e).__name__}: {one_line(e)})"
+                                ) from None
             hf_lm.check_ids(ids, rows, path)
             break
+    if ids is None and len(symbols) > 4 and all(re.fullmatch(r"hf\d+", s) for s in symbols[4:]):
+        raise FlagError(f"the dictionary is one import_hf wrote (hfID symbols) but no {hf_lm.TOKEN_IDS} is beside "
+                        f"{ckpt} or in the data folder: give --token-ids (import_hf's file), or the HF ids would "
+                        f"shift")
+    notes = []
+    if ids:
+        tied = flags.get("share_decoder_input_output_embed")
+        names = ("decoder.embed_tokens.weight",) + (() if tied else ("decoder.output_projection.weight",))
+        trained = [symbols[i] for i, h in enumerate(ids) if h < 0 and any(model[n][i].any() for n in names)]
+        if trained:
+            notes.append(f"the rows of {', '.join(trained)} (fairseq's own, which the HF model has no token for) are "
+                         f"not zero any more (trained) and are left out")
     specials = hf_lm.specials_of(ids) if ids else {"bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2}
     flags = dict(flags, max_target_positions=flags.get("max_target_positions") or flags.get("tokens_per_sample"))
     kind, config, training = hf_lm.hf_config(flags, moe, counts[0], rows - (ids or []).count(-1), specials)
     vocab = {s: (ids[i] if ids else i) for i, s in enumerate(symbols) if not ids or ids[i] >= 0}
-    return hf_lm.FAMILIES[kind], config, hf_lm.to_hf(model, kind, ids), vocab, training
+    return hf_lm.FAMILIES[kind], config, hf_lm.to_hf(model, kind, ids), vocab, training, notes
 
 
-def export(ckpt, out_dir, data=None):
-    """Write OUT_DIR from CKPT; returns (OUT_DIR, transformers' class, what differs in training)."""
+def export(ckpt, out_dir, data=None, token_ids=None):
+    """Write OUT_DIR from CKPT; returns (OUT_DIR, transformers' class, what differs in training, notes)."""
     try:
         import transformers
     except ImportError:
@@ -275,7 +293,10 @@ def export(ckpt, out_dir, data=None):
     refuse_existing([out_dir], out="OUT_DIR")
     state = read_any(ckpt)
     flags, lm = _flags(state, ckpt)
-    name, config, weights, vocab, training = (causal_lm if lm else nllb)(state, flags, ckpt, data)
+    if token_ids and not lm:
+        raise FlagError("--token-ids maps a causal LM's vocabulary (import_hf's); NllbMoe's ids are fairseq's")
+    name, config, weights, vocab, training, notes = causal_lm(state, flags, ckpt, data, token_ids) if lm else \
+        nllb(state, flags, ckpt, data)
     cls = f"{name}ForCausalLM" if lm else f"{name}ForConditionalGeneration"
     hf = getattr(transformers, cls)(getattr(transformers, f"{name}Config")(**config))
     theirs = hf.state_dict()
@@ -295,7 +316,7 @@ def export(ckpt, out_dir, data=None):
 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir, cls, training
+    return out_dir, cls, training, notes
 
 
 def main(argv=None):
@@ -305,15 +326,18 @@ def main(argv=None):
     p.add_argument("output", help="OUT_DIR (new): config.json, model.safetensors, vocab.json")
     p.add_argument("--data", help="the data folder whose dictionary the model was trained with (default: the "
                                   "checkpoint's task's, as saved)")
+    p.add_argument("--token-ids", metavar="FILE", help="a causal LM imported by import_hf: its hf_token_ids.json "
+                                                       "(default: the one beside CKPT or in the data folder)")
     a = p.parse_args(argv)
 
     def report(done):
-        out, cls, training = done
+        out, cls, training, notes = done
         lines = [f"{out}: {cls}.from_pretrained({out!r}) computes this model's evaluation"]
+        lines += [f"  note: {line}" for line in notes]
         lines += [f"  in training only, {cls} differs: {line}" for line in training]
         return "\n".join(lines)
 
-    return run(p.prog, lambda: export(a.checkpoint, a.output, a.data), report, setup=safe_globals)
+    return run(p.prog, lambda: export(a.checkpoint, a.output, a.data, a.token_ids), report, setup=safe_globals)
 
 
 if __name__ == "__main__":

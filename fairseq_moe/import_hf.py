@@ -40,12 +40,19 @@ def read_hf(hf_dir):
     where = os.path.join(hf_dir, "config.json")
     try:
         with open(where, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
+            kind = json.load(f).get("model_type")
+        # the family's config class fills in what config.json leaves to its defaults (Mixtral's rope_theta 1e6)
+        config = transformers.AutoConfig.from_pretrained(hf_dir).to_dict() if kind in hf_lm.FAMILIES else {
+            "model_type": kind}
+    except (OSError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{where}: not a transformers config ({type(e).__name__}: {e})") from None
     flags = hf_lm.fairseq_flags(config, where)  # (refusals before the weights are read)
     cls = getattr(transformers, hf_lm.FAMILIES[config["model_type"]] + "ForCausalLM")
-    model = cls.from_pretrained(hf_dir, dtype=torch.float32)
+    model, info = cls.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    lacking = info.get("missing_keys", []) or [k for k, *_ in info.get("mismatched_keys", [])]
+    if lacking:  # (from_pretrained would have drawn them at random)
+        raise CheckpointError(f"HF_DIR {hf_dir}: weights missing or of another shape than config.json says: "
+                              f"{sorted(lacking)[:3]}")
     return config, flags, model.state_dict()
 
 
@@ -101,9 +108,15 @@ def import_hf(hf_dir, out, data_dir=None):
         save(None, extra[0], text(f"{s} 1\n" for s in symbols))
         save(None, extra[1], text([json.dumps(ids)]))
 
+    made = not os.path.isdir(folder)
     os.makedirs(folder, exist_ok=True)
-    write_new(out, write)
-    return config["model_type"], [out, *extra]
+    try:
+        write_new(out, write)
+    except BaseException:
+        if made and not os.listdir(folder):
+            os.rmdir(folder)
+        raise
+    return config["model_type"], [out, *extra], flags
 
 
 def main(argv=None):
@@ -116,7 +129,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     return run(p.prog, lambda: import_hf(a.hf_dir, a.output, a.data_dir),
                lambda done: f"{a.output}: transformers' {done[0]} as --arch moe_mixtral_lm; written "
-                            f"{', '.join(done[1])}; continue with fairseq-train ... --finetune-from-model {a.output}",
+                            f"{', '.join(done[1])}; continue with fairseq-train DATA --task moe_language_modeling "
+                            f"--arch moe_mixtral_lm {' '.join(done[2])} --finetune-from-model {a.output}",
                setup=with_fairseq)
 
 

@@ -193,13 +193,16 @@ def fairseq_flags(c, where):
 
 def token_ids(c):
     """[the HF id of each fairseq index] of HF config c: fairseq's <s>, <pad>, </s>, <unk> (0-3) are HF's bos, pad,
-    eos, unk where the config has them (an id once: a later special that repeats one gets -1, as those HF lacks),
-    then every other HF id in order."""
+    eos, unk where the config has them, then every other HF id in order. An id goes to one special only, eos first
+    (fairseq's </s> ends every line, starts every block, stops generation), then bos, pad, unk: one that repeats an
+    earlier one's id (Qwen's bos = eos) gets -1, as those HF lacks (a row of its own). A list of eos ids: the
+    first."""
     V = c["vocab_size"]
-    ids = []
-    for name in SPECIALS:
-        i = c.get(name)
-        ids.append(i if isinstance(i, int) and 0 <= i < V and i not in ids else -1)
+    ids = [-1] * len(SPECIALS)
+    for index in (2, 0, 1, 3):  # (eos, bos, pad, unk)
+        i = c.get(SPECIALS[index])
+        i = i[0] if isinstance(i, list) and i else i
+        ids[index] = i if isinstance(i, int) and 0 <= i < V and i not in ids else -1
     taken = set(ids)
     return ids + [i for i in range(V) if i not in taken]
 

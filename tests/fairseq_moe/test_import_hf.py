@@ -29,10 +29,10 @@ FAMILIES = {
     # q/k norm over the projections; pad 1, eos 2; top-1 renormalised (weight 1)
     "olmoe": ("Olmoe", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=1, norm_topk_prob=True,
                             pad_token_id=1, eos_token_id=2, clip_qkv=None)),
-    # the gated shared expert, qkv biases, tied embeddings; no special ids at all
+    # the gated shared expert, qkv biases, tied embeddings; bos = eos (Qwen1.5-MoE's), no pad
     "qwen2_moe": ("Qwen2Moe", dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=48,
                                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                                   tie_word_embeddings=True)),
+                                   tie_word_embeddings=True, bos_token_id=6, eos_token_id=6)),
 }
 
 
@@ -80,8 +80,11 @@ def to_ours(ids, x):
 def test_imported_model_computes_what_transformers_computes(imported):
     kind, hf, _, ckpt, ids = imported
     ours, task = load(ckpt)
-    specials = [hf.config.bos_token_id, hf.config.pad_token_id, hf.config.eos_token_id]
-    assert ids[:3] == [-1 if s is None or s in specials[:i] else s for i, s in enumerate(specials)]
+    # fairseq's </s> takes HF's eos first (it ends every line, starts every block), then <s> bos and <pad> pad
+    want = [-1, -1, -1]
+    for index, s in ((2, hf.config.eos_token_id), (0, hf.config.bos_token_id), (1, hf.config.pad_token_id)):
+        want[index] = -1 if s is None or s in want else s
+    assert ids[:3] == want
     assert len(task.dictionary) == len(ids) == COMMON["vocab_size"] + ids.count(-1)
     x = torch.randint(0, COMMON["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(1))
     x[x == ids[1]] = 3  # (no padding inside a sentence: fairseq masks its <pad> as padding wherever it is)
@@ -107,6 +110,8 @@ def test_import_then_export_is_bit_identical(imported, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     first, again = (json.loads((folder / "config.json").read_text()) for folder in (root / "hf", tmp_path / "back"))
     differ = {k: (v, again.get(k)) for k, v in first.items() if again.get(k) != v and k != "transformers_version"}
+    if first.get("bos_token_id") == first.get("eos_token_id") is not None:  # (a bos shared with eos is not kept:
+        assert differ.pop("bos_token_id") == (first["eos_token_id"], None)  # fairseq's <s> got a row of its own)
     assert not differ
     vocab = json.loads((tmp_path / "back" / "vocab.json").read_text())
     assert sorted(vocab.values()) == list(range(COMMON["vocab_size"])) and vocab["hf7"] == 7
@@ -154,6 +159,22 @@ def test_what_our_model_cannot_express_is_refused_by_the_field(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
+def test_weights_missing_from_hf_dir_are_refused(imported, tmp_path, capsys):
+    """A weight that config.json asks for and the files lack (from_pretrained would draw it at random): refused."""
+    import shutil
+
+    _, _, root, _, _ = imported
+    shutil.copytree(root / "hf", tmp_path / "hf")
+    weights = safetensors.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    safetensors.save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ours.pt")]) == 2
+    line = one_error_line(capsys.readouterr().err, "python -m fairseq_moe.import_hf")
+    assert "weights missing" in line and "experts.2.w3" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
 def test_nothing_is_overwritten(imported, tmp_path, capsys):
     _, _, root, _, _ = imported
     (tmp_path / "dict.txt").write_text("x 1\n")
@@ -163,7 +184,7 @@ def test_nothing_is_overwritten(imported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("imported", ["qwen2_moe"], indirect=True)
-def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path):
+def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path, capsys):
     """fairseq-train --finetune-from-model OUT.pt with the flags import_hf chose (hf_lm.fairseq_flags): 2 updates."""
     from fairseq import options
     from fairseq_cli import preprocess
@@ -185,7 +206,26 @@ def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path
                          "--max-update", "2", "--required-batch-size-multiple", "1")
     argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm"
     run_train(argv)
-    state = torch.load(tmp_path / "save" / "checkpoint_last.pt", weights_only=True)
+    trained = tmp_path / "save" / "checkpoint_last.pt"
+    state = torch.load(trained, weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == 2
     before = torch.load(ckpt, weights_only=True)["model"]
     assert state["model"].keys() == before.keys()
+    # Back to transformers: the token ids are neither beside the checkpoint nor in the data folder: refused by
+    # --token-ids (the HF ids would shift); given, the fine-tuned model's logits in transformers equal ours, and the
+    # rows of fairseq's own specials (trained through the tied output) are left out with a note.
+    assert export_hf.main([str(trained), str(tmp_path / "back")]) == 2
+    assert "--token-ids" in one_error_line(capsys.readouterr().err, "python -m fairseq_moe.export_hf")
+    assert not (tmp_path / "back").exists()
+    assert export_hf.main([str(trained), str(tmp_path / "back"), "--token-ids",
+                           str(root / "ours" / "hf_token_ids.json")]) == 0
+    assert "note: the rows of <s>, <pad>, <unk>" in capsys.readouterr().out
+    ids = json.loads((root / "ours" / "hf_token_ids.json").read_text())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ours, _ = load(trained)
+    x = torch.randint(3, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
+    x[x == 6] = 7
+    mine_x, inverse = to_ours(ids, x)
+    with torch.no_grad():
+        theirs, mine = back(x).logits, ours(mine_x)[0][..., inverse]
+    assert float((mine - theirs).abs().max() / theirs.abs().max()) < 1e-5
