@@ -74,6 +74,8 @@ def launched(data_bin, tmp_path_factory):
     # zeros after the ranks' all-reduce, and momentum would still move it.)
     (2, ("--encoder-layerdrop", "0.5", "--decoder-layerdrop", "0.5", "--momentum", "0")),
     (2, ("--store-ema", "--ema-decay", "0.8", "--ema-fp32")),  # each rank's EMA of its experts, in the set
+    # DeepSeek's sequence-wise balance loss: each sentence's alone, so W ranks are one process's micro-batches
+    (2, ("--moe-balance-loss-scope", "sequence", "--moe-gate-loss-wt", "0.1", "--use-moe-pad-mask")),
     # Each MoE layer its own count: the encoder's 2 experts have 2 replicas on 4 ranks, the decoder's 8 two per rank.
     (4, ("--moe-expert-count", "2,8")),
 ])
@@ -170,6 +172,17 @@ def check_ema(data_bin, tmp_path, one, base, extra, a, b):
     scorer = run_generate([data_bin, "--user-dir", USER_DIR, "--path", str(tmp_path / "ema.pt"), "--task",
                            "moe_translation", "--gen-subset", "test", "--beam", "2", "--cpu"])
     assert "BLEU" in scorer.result_string()
+
+
+@pytest.mark.slow
+def test_the_global_balance_loss_trains_on_ranks(data_bin, tmp_path):
+    """--moe-balance-loss-scope global on 2 ranks: every micro-batch all-reduces the counts and the sample size (the
+    epochs' dummy batches included, which count on no rank); the run ends, its balance loss logged. (Its gradient
+    against one process holding both ranks' batches at once: tests/fairseq_moe/criterions/test_moe_loss.py.)"""
+    _, out = Launched(2, tmp_path, train_argv(data_bin, tmp_path, *COMMON, "--moe-balance-loss-scope", "global",
+                                              "--max-update", "12")).result()
+    assert "moe_balance_loss" in out.stdout + out.stderr
+    assert (tmp_path / "checkpoint_last-rank-1.pt").exists()
 
 
 def test_torchrun_environment_on_cpu(monkeypatch):
