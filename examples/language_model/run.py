@@ -11,8 +11,8 @@ End to end, it
   2. holds whole books out: test = Judges + Mark, valid = Joshua + Romans (your own text: random lines);
   3. learns a sentencepiece BPE on train and binarises with fairseq-preprocess --only-source;
   4. trains `moe_transformer_lm_tiny` (4 layers, d=128, layers 2 and 4 an MoE of 8 experts of 256, top-2), the
-     Mixtral-style `moe_mixtral_lm` of the same shape and active FLOPs (RMSNorm, rotary positions, 2 kv heads for 4
-     query heads, SwiGLU: experts of 171, dense layers of 341, 2/3 of the widths above) and the dense
+     Mixtral-style `moe_mixtral_lm` of the same width, depth and active FFN FLOPs (every layer an MoE of 8 SwiGLU
+     experts of 171, top-2: 2/3 of 512 / 2; RMSNorm, rotary positions, 2 kv heads for 4 query heads) and the dense
      `transformer_lm` of the same active FFN size (512), with the same budget (updates, batch, lr schedule,
      seed); CPU by default (--skip-modern, --skip-dense: fewer models);
   5. scores the test books with fairseq-eval-lm (perplexity per BPE token, sentences scored on their own);
@@ -194,17 +194,18 @@ def dense_cmd(a, data_bin, save_dir):
 
 
 def modern_cmd(a, data_bin, save_dir):
-    """The Mixtral-style MoE LM of the same shape as moe_cmd's and the same active FLOPs per token: SwiGLU (three
-    matrices where the FFN has two) at 2/3 of the widths, MoE every 2nd layer as there; 2 kv heads for the 4 query
-    heads (grouped-query attention: smaller k and v projections); rotary positions (theta 1e4), RMSNorm, no biases.
-    The MoE settings (experts, k, capacity, balance loss) are moe_cmd's."""
+    """The Mixtral-style MoE LM of moe_cmd's width, depth and heads, with the same active FFN multiply-adds per token
+    in every layer: as Mixtral, every layer MoE (so transformers' Mixtral takes it), its experts SwiGLU (three
+    matrices where an FFN has two) of 2/3 of the dense FFN's width over k; 2 kv heads for the 4 query heads
+    (grouped-query attention: smaller k and v projections); rotary positions (theta 1e4), RMSNorm, no biases. The
+    MoE settings (experts, k, capacity, balance loss) are moe_cmd's."""
     return pipeline.fairseq_cmd("train") + [
         str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "moe_language_modeling",
         "--arch", "moe_mixtral_lm", "--criterion", "moe_cross_entropy", "--decoder-kv-heads", "2",
-        "--decoder-ffn-embed-dim", str(round(2 * DENSE_FFN_DIM / 3)), "--decoder-moe-freq", "2", "--rope-theta", "1e4",
+        "--decoder-moe-freq", "1", "--rope-theta", "1e4",
         "--moe-expert-count", str(a.experts), "--moe-top-k", str(a.top_k), "--moe-expert-ffn-dim",
-        str(round(2 * a.expert_ffn_dim / 3)), "--moe-capacity-factor", "1.25", "--moe-eval-capacity-token-fraction",
-        "0", "--moe-gate-loss-wt", "0.01", *common_args(a, save_dir)]
+        str(round(2 * DENSE_FFN_DIM / 3 / a.top_k)), "--moe-capacity-factor", "1.25",
+        "--moe-eval-capacity-token-fraction", "0", "--moe-gate-loss-wt", "0.01", *common_args(a, save_dir)]
 
 
 def eval_lm(a, data_bin, checkpoint, out_dir):
@@ -256,9 +257,13 @@ def transformers_test_loss(a, data_bin, hf_dir):
     import transformers
     from fairseq import options, tasks
 
+    import logging
+
+    level = logging.getLogger().level  # (fairseq's parser leaves the root logger at DEBUG: hydra's, matplotlib's)
     args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
         str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "language_modeling", *DATA_FLAGS])
     task = tasks.setup_task(args)
+    logging.getLogger().setLevel(level)
     task.load_dataset("test")
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     pad = task.source_dictionary.pad()
