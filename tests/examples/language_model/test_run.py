@@ -23,17 +23,20 @@ def test_tokens_per_second_from_the_epoch_lines(tmp_path):
                    + "valid on 'valid' subset | loss 9.1 | wpb 900 | num_updates 30\n"
                    + EPOCH.format(e=2, wpb=2000, n=50, s=40))
     assert run.training_tokens_per_second(log) == pytest.approx((1910.8 * 30 + 2000 * 20) / 97)
+    log.write_text(EPOCH.format(e=1, wpb=1000, n=3, s=0))  # (fairseq rounds train_wall to whole seconds)
+    assert run.training_tokens_per_second(log) is None
     log.write_text("no epoch ended\n")
     with pytest.raises(run.pipeline.StepError, match="no end-of-epoch"):
         run.training_tokens_per_second(log)
 
 
-def test_the_mixtral_style_model_has_the_moe_models_active_ffn(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--expert-ffn-dim", "96", "--top-k", "3")])
+def test_the_mixtral_style_model_has_the_moe_models_active_ffn(tmp_path, flags):
     """fairseq's training parser takes modern_cmd's flags; per token, each of its layers (an MoE of SwiGLU experts:
     three matrices, k of them) multiply-adds within 1% of each of moe_cmd's (a dense FFN or an MoE: two matrices)."""
     from fairseq import options
 
-    a = run.parse_args(["--workdir", str(tmp_path)])
+    a = run.parse_args(["--workdir", str(tmp_path), *flags])
 
     def parsed(cmd):
         argv = cmd[cmd.index(str(tmp_path / "data")):]
@@ -44,7 +47,8 @@ def test_the_mixtral_style_model_has_the_moe_models_active_ffn(tmp_path):
     assert modern.arch == "moe_mixtral_lm" and modern.decoder_kv_heads == 2 and modern.decoder_moe_freq == 1
     assert modern.decoder_embed_dim == moe.decoder_embed_dim and modern.decoder_layers == moe.decoder_layers
     ours = 3 * modern.moe_expert_ffn_dim * modern.moe_top_k
-    for theirs in (2 * moe.decoder_ffn_embed_dim, 2 * moe.moe_expert_ffn_dim * moe.moe_top_k):
-        assert abs(ours / theirs - 1) < 0.01
+    assert abs(ours / (2 * moe.moe_expert_ffn_dim * moe.moe_top_k) - 1) < 0.01
+    if not flags:  # (the defaults: k x the expert width is the dense FFN's, 512)
+        assert abs(ours / (2 * moe.decoder_ffn_embed_dim) - 1) < 0.01
     same = ("moe_expert_count", "moe_top_k", "moe_capacity_factor", "moe_gate_loss_wt", "lr", "max_tokens", "dropout")
     assert [getattr(modern, k) for k in same] == [getattr(moe, k) for k in same]
