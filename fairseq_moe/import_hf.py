@@ -23,7 +23,7 @@ from . import with_fairseq
 from .checkpoints import hf_lm
 from .checkpoints import sets as shards
 from .checkpoints.command import PROG, new_checkpoint, parser, run
-from .checkpoints.new_files import refuse_existing, write_new
+from .checkpoints.new_files import one_line, refuse_existing, write_new
 from .errors import CheckpointError, FlagError
 
 
@@ -48,7 +48,10 @@ def read_hf(hf_dir):
         raise CheckpointError(f"{where}: not a transformers config ({type(e).__name__}: {e})") from None
     flags = hf_lm.fairseq_flags(config, where)  # (refusals before the weights are read)
     cls = getattr(transformers, hf_lm.FAMILIES[config["model_type"]] + "ForCausalLM")
-    model, info = cls.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    try:
+        model, info = cls.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    except RuntimeError as e:  # (transformers' "size mismatch for ...": a weight of another shape than config.json's)
+        raise CheckpointError(f"HF_DIR {hf_dir}: weights do not fit config.json ({one_line(e)})") from None
     lacking = info.get("missing_keys", []) or [k for k, *_ in info.get("mismatched_keys", [])]
     if lacking:  # (from_pretrained would have drawn them at random)
         raise CheckpointError(f"HF_DIR {hf_dir}: weights missing or of another shape than config.json says: "

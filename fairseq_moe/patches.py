@@ -46,6 +46,9 @@ PATCHES = (
     # Checkpoints of MoE models (hooks/trainer.py)
     Patch(_TRAINER, "__init__", "fairseq_moe.hooks.trainer:trainer_init",
           "refuse set-ups whose state cannot be cut per expert, from the whole config (hydra runs too)"),
+    Patch(_TRAINER, "train_step", "fairseq_moe.hooks.trainer:trainer_train_step",
+          "--moe-balance-loss-scope global pools the counts of an update's micro-batches: from its first on",
+          wraps=True),
     Patch(_TRAINER, "checkpoint_suffix", "fairseq_moe.hooks.trainer:trainer_checkpoint_suffix",
           "with the experts spread, every rank saves NAME-rank-R.pt (fairseq 0.12 saves on rank 0 only)"),
     Patch(_TRAINER, "should_save_checkpoint_on_current_rank", "fairseq_moe.hooks.trainer:trainer_should_save",

@@ -111,9 +111,9 @@ class LayerSettings:
                  "(GShard, Switch, fairseq's moe branch: first choices counted, E^2 mean(P_e f_e)); sequence, each "
                  "sequence apart, then their mean (DeepSeek-V2/V3: every one of the k choices counted, "
                  "sum_e f_e P_e, f_e = E c_e / (k T)); global, the micro-batch of every data-parallel rank together "
-                 "(Qwen's global-batch loss, Megatron-Core's global_aux_loss without its running mean: the counts "
-                 "all-reduced in training, each rank's share of the probabilities; as sequence, every choice "
-                 "counted)", choices=("batch", "sequence", "global"))
+                 "(Qwen's global-batch loss, Megatron-Core's global_aux_loss: the counts all-reduced in training, "
+                 "pooled with those of the update's earlier micro-batches (--update-freq), each rank's share of "
+                 "the probabilities; as sequence, every choice counted)", choices=("batch", "sequence", "global"))
     frozen_experts: int = setting(
         0, "the first N experts and their router rows do not train: their gradients are zeroed (a grown model's "
            "old experts: fairseq_moe.grow --freeze-old); the fairseq flag also takes one count per MoE layer",

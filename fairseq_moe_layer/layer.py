@@ -62,6 +62,10 @@ class MoELayer(nn.Module):
         # A training forward whose loss is thrown away (fairseq's dummy batch, on a rank whose data ran out): its
         # tokens count nowhere across the ranks, neither in the global balance loss nor in the balancing bias's load
         self.ignored = False
+        # The global balance loss over the micro-batches of one update (--update-freq): the counts and tokens [E + 1]
+        # of this update's earlier micro-batches (add_global_counts), and those of the latest training forward (the
+        # same again where --checkpoint-activations recomputes it: no state changes in a forward)
+        self.global_prior, self.last_global_counts = None, None
         if cfg.bias_update_rate:  # the aux-loss-free balancing bias: state (checkpointed), not a parameter
             self.register_buffer("routing_bias", torch.zeros(cfg.num_experts))
         self.register_load_state_dict_pre_hook(_bias_as_configured)
@@ -189,6 +193,18 @@ class MoELayer(nn.Module):
             self.routing_bias = bias.float()
         return out
 
+    def reset_global_counts(self):
+        """Before the first micro-batch of an update (fairseq_moe's Trainer hook): the global balance loss starts
+        from this micro-batch's counts again."""
+        self.global_prior = self.last_global_counts = None
+
+    def add_global_counts(self):
+        """After each micro-batch's backward (the MoE tasks' train_step): its counts join those the later
+        micro-batches of the update balance over."""
+        last, self.last_global_counts = self.last_global_counts, None
+        if last is not None:
+            self.global_prior = last if self.global_prior is None else self.global_prior + last
+
     def update_routing_bias(self):
         """After every optimizer step (the fairseq tasks call it; plain PyTorch: after optimizer.step()):
         move each expert's routing bias by bias_update_rate toward balance, from the load of every rank
@@ -246,7 +262,12 @@ class MoELayer(nn.Module):
                 counted = torch.zeros_like(counted)
             if shared_out:
                 torch.distributed.all_reduce(counted)
-            balance = global_balance_share(r.probs, r.top_experts, counted[:E], counted[E]) + zero
+            pooled = counted  # (training: with the counts of the update's earlier micro-batches)
+            if self.training:
+                self.last_global_counts = counted
+                if self.global_prior is not None:
+                    pooled = counted + self.global_prior.to(counted.device)
+            balance = global_balance_share(r.probs, r.top_experts, pooled[:E], pooled[E], counted[E]) + zero
             if T == 0:
                 return MoEAux(balance, zero, r.demand, r.counts, 0, k, zero.detach(), balance_share_of_global=True)
         else:

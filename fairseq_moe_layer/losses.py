@@ -41,15 +41,20 @@ def sequence_balance_loss(probs, top_experts, sequence, num_sequences):
     return (per_sequence * present).sum() / present.sum().clamp(min=1)
 
 
-def global_balance_share(probs, top_experts, counts, total_tokens):
+def global_balance_share(probs, top_experts, counts, total_tokens, batch_tokens=None):
     """This rank's share of the global-batch balance loss sum_e f_e P_e over the tokens of every data-parallel rank
     (f_e = E C_e / (k T), C_e the choices of e on every rank, every one of the k counted; P_e the mean probability of e
     over all T tokens): sum_e f_e (sum of this rank's probabilities of e) / T. The ranks' shares add up to the loss.
-    probs: [T_r, E] fp32; top_experts: [T_r, k]; counts: [E] every rank's choices (no grad); total_tokens: T."""
+    probs: [T_r, E] fp32; top_experts: [T_r, k]; counts: [E] every rank's choices (no grad); total_tokens: T.
+    batch_tokens: the tokens of this micro-batch on every rank, where counts and total_tokens also hold the update's
+    earlier micro-batches (f from all of them, P from this one; default total_tokens)."""
     E, k = probs.shape[1], top_experts.shape[1]
-    total = total_tokens.clamp(min=1).to(probs.dtype) if torch.is_tensor(total_tokens) else max(total_tokens, 1)
-    f = counts.to(probs.dtype) * E / (k * total)
-    return (f * probs.sum(0)).sum() / total
+
+    def positive(n):
+        return n.clamp(min=1).to(probs.dtype) if torch.is_tensor(n) else max(n, 1)
+
+    f = counts.to(probs.dtype) * E / (k * positive(total_tokens))
+    return (f * probs.sum(0)).sum() / positive(total_tokens if batch_tokens is None else batch_tokens)
 
 
 def router_z_loss(logits):

@@ -196,7 +196,7 @@ def dense_cmd(a, data_bin, save_dir):
 def modern_cmd(a, data_bin, save_dir):
     """The Mixtral-style MoE LM of moe_cmd's width, depth and heads, with the same active FFN multiply-adds per token
     in every layer: as Mixtral, every layer MoE (so transformers' Mixtral takes it), its experts SwiGLU (three
-    matrices where an FFN has two) of 2/3 of the dense FFN's width over k; 2 kv heads for the 4 query heads
+    matrices where an FFN has two) of 2/3 of moe_cmd's expert width; 2 kv heads for the 4 query heads
     (grouped-query attention: smaller k and v projections); rotary positions (theta 1e4), RMSNorm, no biases. The
     MoE settings (experts, k, capacity, balance loss) are moe_cmd's."""
     return pipeline.fairseq_cmd("train") + [
@@ -204,7 +204,7 @@ def modern_cmd(a, data_bin, save_dir):
         "--arch", "moe_mixtral_lm", "--criterion", "moe_cross_entropy", "--decoder-kv-heads", "2",
         "--decoder-moe-freq", "1", "--rope-theta", "1e4",
         "--moe-expert-count", str(a.experts), "--moe-top-k", str(a.top_k), "--moe-expert-ffn-dim",
-        str(round(2 * DENSE_FFN_DIM / 3 / a.top_k)), "--moe-capacity-factor", "1.25",
+        str(round(2 * a.expert_ffn_dim / 3)), "--moe-capacity-factor", "1.25",
         "--moe-eval-capacity-token-fraction", "0", "--moe-gate-loss-wt", "0.01", *common_args(a, save_dir)]
 
 
@@ -227,13 +227,14 @@ def train_and_score(a, name, cmd, data_bin, model_dir):
     return {"params": pipeline.count_params(model_dir / "train.log"), **eval_lm(a, data_bin, checkpoint, model_dir),
             **{f"valid_{k}": v for k, v in pipeline.last_valid_stats(model_dir / "train.log").items()},
             "train_seconds": round(seconds, 1), "train_cpu_seconds": round(cpu_seconds, 1),
-            "train_tokens_per_second": round(training_tokens_per_second(model_dir / "train.log"), 1),
+            "train_tokens_per_second": training_tokens_per_second(model_dir / "train.log"),
             "checkpoint": str(checkpoint)}
 
 
 def training_tokens_per_second(log_file):
     """Tokens trained on per second of training (fairseq's train_wall: validation and saving left out), over the
-    whole run, from the end-of-epoch lines of fairseq-train's log (wpb x the epoch's updates, and its train_wall)."""
+    whole run, from the end-of-epoch lines of fairseq-train's log (wpb x the epoch's updates, and its train_wall,
+    which fairseq rounds to whole seconds per epoch); None where every epoch took under half a second."""
     tokens = seconds = updates = 0.0
     for line in open(log_file, encoding="utf-8"):
         if "| train | epoch" not in line:
@@ -242,9 +243,9 @@ def training_tokens_per_second(log_file):
         tokens += stats["wpb"] * (stats["num_updates"] - updates)
         seconds += stats["train_wall"]
         updates = stats["num_updates"]
-    if not seconds:
+    if not updates:
         raise pipeline.StepError(f"no end-of-epoch training line in {log_file}")
-    return tokens / seconds
+    return tokens / seconds if seconds else None
 
 
 def transformers_test_loss(a, data_bin, hf_dir):
@@ -265,12 +266,14 @@ def transformers_test_loss(a, data_bin, hf_dir):
     task = tasks.setup_task(args)
     logging.getLogger().setLevel(level)
     task.load_dataset("test")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     pad = task.source_dictionary.pad()
-    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_tokens=4096, ignore_invalid_inputs=True)
+    # eval-lm's own loader: what it leaves out (a line longer than the model's positions) is left out here too
+    batches = task.eval_lm_dataloader(task.dataset("test"), max_tokens=4096,
+                                      max_positions=model.config.max_position_embeddings)
     total, count = 0.0, 0
     with torch.no_grad():
-        for sample in batches.next_epoch_itr(shuffle=False):
+        for sample in batches:
             src, target = sample["net_input"]["src_tokens"], sample["target"]
             logits = model(src, attention_mask=src.ne(pad).long()).logits.float()
             lprobs = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -290,7 +293,9 @@ def export_and_compare(a, data_bin, result, model_dir):
     pipeline.run_logged([sys.executable, "-m", "fairseq_moe.export_hf", result["checkpoint"], str(hf_dir), "--data",
                          str(data_bin)], Path(model_dir) / "export_hf.log")
     loss = transformers_test_loss(a, data_bin, hf_dir)
-    return {"hf_dir": str(hf_dir), "transformers_test_loss": round(loss, 5), "transformers_test_ppl": round(2 ** loss, 3)}
+    # (eval-lm prints its loss with 4 decimals)
+    return {"hf_dir": str(hf_dir), "transformers_test_loss": round(loss, 5), "transformers_test_ppl": round(2 ** loss, 3),
+            "transformers_agrees": abs(loss - result["test_loss"]) < 1e-3}
 
 
 def loss_curves(runs, png):
@@ -341,11 +346,12 @@ def main(argv=None):
     for name, r in results.items():
         print(f"{name:8s} {r['params']:>10,d} {r['test_ppl']:>9.2f} {r.get('valid_ppl', float('nan')):>9.2f} "
               f"{pipeline_duration(r['train_seconds']):>12s} {pipeline_duration(r['train_cpu_seconds']):>11s} "
-              f"{r['train_tokens_per_second']:>9.0f}")
+              f"{'n/a' if r['train_tokens_per_second'] is None else round(r['train_tokens_per_second']):>9}")
     if "mixtral" in results:
         r = results["mixtral"]
         print(f"mixtral in transformers ({r['hf_dir']}): test loss {r['transformers_test_loss']:.5f} (base 2), ppl "
-              f"{r['transformers_test_ppl']:.3f}; fairseq-eval-lm: {r['test_loss']:.5f}, {r['test_ppl']:.3f}")
+              f"{r['transformers_test_ppl']:.3f}; fairseq-eval-lm: {r['test_loss']:.5f}, {r['test_ppl']:.3f}"
+              + ("" if r["transformers_agrees"] else ": THEY DISAGREE (more than 1e-3), a bug to report"))
     pictures = [str(loss_curves({n: run_dir / n / "train.log" for n in results}, run_dir / "loss_moe_vs_dense.png"))]
     if stats.exists() and stats.stat().st_size:
         pictures += [str(run_dir / n) for n in plot_run(stats, run_dir / "moe" / "train.log", run_dir,
@@ -357,6 +363,8 @@ def main(argv=None):
         "moe": {"experts": a.experts, "top_k": a.top_k, "expert_ffn_dim": a.expert_ffn_dim},
         "results": results, "pictures": pictures, "wall_seconds": round(time.time() - start, 1)})
     print(f"| results: {run_dir / 'results.json'}; pictures: {', '.join(pictures)}")
+    if not results.get("mixtral", {}).get("transformers_agrees", True):
+        sys.exit("error: the Mixtral-style model's test loss in transformers is not fairseq-eval-lm's")
 
 
 def pipeline_duration(seconds):

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from fairseq_moe_layer import malloc
+from fairseq_moe_layer import MoELayer, malloc
 from fairseq_moe_layer.comm import local_experts
 
 from . import bf16
@@ -193,6 +193,20 @@ def trainer_init(self, cfg, task, model, criterion, *args, **kwargs):
     bf16.check_trainer(cfg)
     patches.original(_TRAINER, "__init__")(self, cfg, task, model, criterion, *args, **kwargs)
     _RUNS[self] = RunState(spread=spread)
+
+
+def trainer_train_step(train_step):
+    """Trainer.train_step: its micro-batches are one update (or one attempt, skipped by an overflow): the global
+    balance loss pools the counts of the update's micro-batches from the first one on, so each MoE layer's running
+    sum starts again here (the MoE tasks' train_step adds each micro-batch's)."""
+    @functools.wraps(train_step)
+    def wrapped(self, samples, *args, **kwargs):
+        for module in self.model.modules():
+            if isinstance(module, MoELayer) and module.cfg.balance_loss_scope == "global":
+                module.reset_global_counts()
+        return train_step(self, samples, *args, **kwargs)
+
+    return wrapped
 
 
 def keep_freed_memory_if_asked(cfg):

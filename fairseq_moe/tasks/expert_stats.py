@@ -172,6 +172,8 @@ class MoETaskMixin:
         finally:
             for block in blocks:
                 block.sentence_labels, block.moe.ignored = None, False
+        for block in blocks:  # (the global balance loss: this micro-batch's counts join the update's)
+            block.moe.add_global_counts()
         if self.load_log is not None and not ignore_grad:
             self.load_log.add(model)  # each micro-batch of --update-freq
         return out

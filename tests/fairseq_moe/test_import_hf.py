@@ -175,6 +175,20 @@ def test_weights_missing_from_hf_dir_are_refused(imported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
+def test_weights_of_another_shape_are_refused(imported, tmp_path, capsys):
+    import shutil
+
+    _, _, root, _, _ = imported
+    shutil.copytree(root / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, intermediate_size=48)))
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "ours.pt")]) == 2
+    line = one_error_line(capsys.readouterr().err, "python -m fairseq_moe.import_hf")
+    assert "weights do not fit config.json" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("imported", ["mixtral"], indirect=True)
 def test_nothing_is_overwritten(imported, tmp_path, capsys):
     _, _, root, _, _ = imported
     (tmp_path / "dict.txt").write_text("x 1\n")

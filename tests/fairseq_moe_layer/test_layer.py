@@ -137,54 +137,31 @@ def test_layer_matches_token_loop_oracle(k, capacity_factor, dtype):
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
-def test_qwen2_moe_block_matches_the_token_loop_oracle(capacity_factor):
-    """Qwen2-MoE's sparse block: swiglu experts, top-2 weights that are the softmax's probabilities as they are
-    (--no-moe-topk-renormalize), and a wider swiglu shared expert whose output is scaled by sigmoid(x . g)
-    (--moe-shared-expert-ffn-dim, --moe-shared-expert-gate); outputs and every gradient against the loop."""
-    layer = make_layer(top_k=2, capacity_factor=capacity_factor, expert_kind="swiglu", shared_experts=1,
-                       shared_expert_ffn_dim=28, shared_expert_gate=True, topk_renormalize=False)
-    assert layer.shared.w1.shape == (1, 12, 56) and layer.shared_gate.weight.shape == (1, 12)
-    x, g = biased_inputs(layer, 19, torch.float64)
-    layer.zero_grad()
-    xl = x.clone().requires_grad_(True)
-    y, aux = layer(xl)
-    (y * g).sum().backward()
-    p = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
-    xo = x.clone().requires_grad_(True)
-    C = layer.cfg.capacity(19, training=True)
-    e = "experts."
-    yo = moe_oracle(xo, p["gate.weight"], p[e + "w1"], None, p[e + "w2"], None, 2, "swiglu", C, renormalize=False)
-    yo = yo + torch.stack([torch.sigmoid(xo[t] @ p["shared_gate.weight"][0])
-                           * expert_mlp(xo[t], 0, p["shared.w1"], None, p["shared.w2"], None, "swiglu")
-                           for t in range(19)])
-    (yo * g).sum().backward()
-    torch.testing.assert_close(y, yo.detach(), **TOL[torch.float64])
-    torch.testing.assert_close(xl.grad, xo.grad, **ROUTER_TOL)
-    for name, t in layer.named_parameters():
-        torch.testing.assert_close(t.grad, p[name].grad, **(ROUTER_TOL if name == "gate.weight" else
-                                                            TOL[torch.float64]), msg=name)
-
-
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
-@pytest.mark.parametrize("k", [1, 2])
-def test_swiglu_experts_match_the_token_loop_oracle(k, capacity_factor):
+@pytest.mark.parametrize("k, qwen2", [(1, False), (2, False), (2, True)])
+def test_swiglu_experts_match_the_token_loop_oracle(k, qwen2, capacity_factor):
     """--moe-expert-kind swiglu (and a swiglu shared expert): w1 [E, d, 2f], w2 [E, f, d], no biases, against the
-    oracle's per-token loop of Shazeer's FFN_SwiGLU; outputs and every gradient."""
-    layer = make_layer(top_k=k, capacity_factor=capacity_factor, expert_kind="swiglu", shared_experts=1)
+    oracle's per-token loop of Shazeer's FFN_SwiGLU; outputs and every gradient. qwen2: Qwen2-MoE's sparse block,
+    top-2 weights that are the softmax's probabilities as they are (--no-moe-topk-renormalize), and a wider shared
+    expert whose output is scaled by sigmoid(x . g) (--moe-shared-expert-ffn-dim, --moe-shared-expert-gate)."""
+    qwen = dict(shared_expert_ffn_dim=28, shared_expert_gate=True, topk_renormalize=False) if qwen2 else {}
+    layer = make_layer(top_k=k, capacity_factor=capacity_factor, expert_kind="swiglu", shared_experts=1, **qwen)
     assert layer.experts.w1.shape == (8, 12, 40) and layer.experts.w2.shape == (8, 20, 12)
     assert layer.experts.b1 is None and layer.experts.b2 is None and layer.shared.b1 is None
-    x, g = biased_inputs(layer, 23, torch.float64)
+    assert layer.shared.w1.shape == (1, 12, 56 if qwen2 else 40) and (layer.shared_gate is not None) == qwen2
+    T = 23
+    x, g = biased_inputs(layer, T, torch.float64)
     layer.zero_grad()
     xl = x.clone().requires_grad_(True)
     y, aux = layer(xl)
     (y * g).sum().backward()
     p = {n: t.detach().clone().requires_grad_(True) for n, t in layer.named_parameters()}
     xo = x.clone().requires_grad_(True)
-    C = layer.cfg.capacity(23, training=True)
+    C = layer.cfg.capacity(T, training=True)
     e = "experts."
-    yo = moe_oracle(xo, p["gate.weight"], p[e + "w1"], None, p[e + "w2"], None, k, "swiglu", C)
-    yo = yo + torch.stack([expert_mlp(xo[t], 0, p["shared.w1"], None, p["shared.w2"], None, "swiglu")
-                           for t in range(23)])
+    yo = moe_oracle(xo, p["gate.weight"], p[e + "w1"], None, p[e + "w2"], None, k, "swiglu", C, renormalize=not qwen2)
+    gate = [torch.sigmoid(xo[t] @ p["shared_gate.weight"][0]) if qwen2 else 1.0 for t in range(T)]
+    yo = yo + torch.stack([gate[t] * expert_mlp(xo[t], 0, p["shared.w1"], None, p["shared.w2"], None, "swiglu")
+                           for t in range(T)])
     (yo * g).sum().backward()
     torch.testing.assert_close(y, yo.detach(), **TOL[torch.float64])
     torch.testing.assert_close(xl.grad, xo.grad, **ROUTER_TOL)

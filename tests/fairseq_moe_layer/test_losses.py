@@ -207,3 +207,38 @@ def test_scope_needs_a_balance_loss():
     with pytest.raises(ValueError, match="--moe-balance-loss-scope"):
         MoEConfig(model_dim=6, ffn_dim=4, num_experts=4, top_k=1, routing="hash", balance_loss_scope="sequence"
                   ).validate()
+
+
+def test_global_scope_pools_the_micro_batches_of_an_update():
+    """--moe-balance-loss-scope global over --update-freq: micro-batch m's f_e counts the choices of micro-batches
+    1..m (add_global_counts after each; Megatron-Core's running sum), its P_e its own tokens; reset_global_counts
+    starts an update; evaluation pools nothing."""
+    cfg = MoEConfig(model_dim=6, ffn_dim=4, num_experts=4, top_k=2, capacity_factor=0.0,
+                    balance_loss_scope="global")
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(7, 6, generator=g), torch.randn(5, 6, generator=g)
+
+    def by_hand(counted, x):
+        probs = torch.softmax(layer.router_logits(x)[0], -1)
+        counts = sum(torch.bincount(torch.softmax(layer.router_logits(y)[0], -1).topk(2, -1).indices.reshape(-1),
+                                    minlength=4).double() for y in counted)
+        T = sum(len(y) for y in counted)
+        return sum(4 * counts[e] / (2 * T) * probs[:, e].mean() for e in range(4))
+
+    layer(a)
+    layer.add_global_counts()
+    _, aux = layer(b)
+    torch.testing.assert_close(aux.balance_loss.double(), by_hand([a, b], b).double())
+    layer.add_global_counts()
+    _, aux = layer(a)  # a third micro-batch
+    torch.testing.assert_close(aux.balance_loss.double(), by_hand([a, b, a], a).double())
+    layer.reset_global_counts()
+    _, aux = layer(b)
+    torch.testing.assert_close(aux.balance_loss.double(), by_hand([b], b).double())
+    layer.add_global_counts()
+    layer.eval()
+    _, aux = layer(a)
+    torch.testing.assert_close(aux.balance_loss.double(), by_hand([a], a).double())
+    assert layer.last_global_counts is None  # (evaluation leaves the update's sum alone)

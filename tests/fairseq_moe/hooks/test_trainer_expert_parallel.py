@@ -176,11 +176,12 @@ def check_ema(data_bin, tmp_path, one, base, extra, a, b):
 
 @pytest.mark.slow
 def test_the_global_balance_loss_trains_on_ranks(data_bin, tmp_path):
-    """--moe-balance-loss-scope global on 2 ranks: every micro-batch all-reduces the counts and the sample size (the
-    epochs' dummy batches included, which count on no rank); the run ends, its balance loss logged. (Its gradient
-    against one process holding both ranks' batches at once: tests/fairseq_moe/criterions/test_moe_loss.py.)"""
+    """--moe-balance-loss-scope global on 2 ranks, 2 micro-batches an update: every micro-batch all-reduces the counts
+    and the sample size (the epochs' dummy batches included, which count on no rank); the run ends, its balance loss
+    logged. (Its gradient against one process holding both ranks' batches at once:
+    tests/fairseq_moe/criterions/test_moe_loss.py; the pooling of an update's micro-batches: test_losses.py.)"""
     _, out = Launched(2, tmp_path, train_argv(data_bin, tmp_path, *COMMON, "--moe-balance-loss-scope", "global",
-                                              "--max-update", "12")).result()
+                                              "--max-update", "6", "--update-freq", "2")).result()
     assert "moe_balance_loss" in out.stdout + out.stderr
     assert (tmp_path / "checkpoint_last-rank-1.pt").exists()
 

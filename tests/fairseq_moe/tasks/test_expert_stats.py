@@ -59,3 +59,27 @@ def test_a_dummy_batch_is_marked_on_the_layers(data_bin, tmp_path):
         task.train_step(sample, model, criterion, optimizer, 0, ignore_grad=ignore_grad)
     assert seen == [[True, True], [False, False]]
     assert not any(block.moe.ignored for _, block in moe_blocks(model))
+
+
+def test_the_global_balance_loss_pools_each_updates_micro_batches(data_bin, tmp_path, monkeypatch):
+    """fairseq-train --moe-balance-loss-scope global --update-freq 3: every Trainer.train_step starts each MoE layer's
+    running sum (the plugin's Trainer hook), and the MoE task adds each micro-batch's counts after its backward."""
+    from fairseq_moe_layer import MoELayer
+
+    from tests.fairseq_moe.helpers import run_train
+
+    events = []
+    for name in ("reset_global_counts", "add_global_counts"):
+        original = getattr(MoELayer, name)
+
+        def logged(self, original=original, name=name):
+            events.append((id(self), name[:3], self.last_global_counts is not None))
+            return original(self)
+
+        monkeypatch.setattr(MoELayer, name, logged)
+    run_train(train_argv(data_bin, tmp_path, "--moe-balance-loss-scope", "global", "--update-freq", "3",
+                         "--max-update", "2"))
+    first = events[0][0]
+    mine = "".join(what[0] if seen or what == "res" else "?" for layer, what, seen in events if layer == first)
+    # two updates: the first of 3 micro-batches, the second of what the epoch has left (fairseq's last group)
+    assert mine.startswith("raaar") and mine.count("r") == 2 and set(mine[5:]) == {"a"}, mine
