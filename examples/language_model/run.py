@@ -21,7 +21,8 @@ End to end, it
   6. prints a table (parameters, test and valid perplexity, training time and tokens/s) and writes results.json,
      a loss-curve PNG of the models (loss_moe_vs_dense.png) and the MoE run's pictures (fairseq_moe.plot).
 
-The default budget (2,000 updates of 2,048 tokens per model) takes about 35 minutes on 2 CPU cores (34 min 47 s on 2026-11-30, data preparation and evaluation included).
+The default budget (2,000 updates of 2,048 tokens per model, three models) takes about 33 minutes on 2 CPU cores
+(32 min 27 s on 2026-12-06, data preparation and evaluation included: README.md).
 """
 import argparse
 import re
@@ -300,6 +301,9 @@ def export_and_compare(a, data_bin, result, model_dir):
 
 def loss_curves(runs, png):
     """Training loss (every logged interval) and validation loss of each model over updates, one picture."""
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (after fairseq in this process: its DEBUG lines)
     import matplotlib
 
     matplotlib.use("Agg")
