@@ -243,3 +243,39 @@ def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path
     with torch.no_grad():
         theirs, mine = back(x).logits, ours(mine_x)[0][..., inverse]
     assert float((mine - theirs).abs().max() / theirs.abs().max()) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imported", ["qwen2_moe"], indirect=True)
+def test_two_ranks_fine_tune_from_an_import(imported, tmp_path):
+    """fairseq-train --finetune-from-model OUT.pt on 2 gloo ranks, the experts spread: each rank takes its experts out
+    of the imported file (as from upcycle's); at learning rate 0 the set the ranks save holds the imported weights,
+    every expert where it belongs."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    from fairseq_moe.checkpoints import hf_lm
+    from fairseq_moe.checkpoints import sets as shards
+    from tests.fairseq_moe.helpers import lm_train_argv
+    from tests.fairseq_moe.hooks.test_trainer_expert_parallel import Launched
+
+    _, hf, root, ckpt, _ = imported
+    g = torch.Generator().manual_seed(6)
+    for split in ("train", "valid"):
+        (tmp_path / f"{split}.txt").write_text("".join(
+            " ".join(f"hf{i}" for i in torch.randint(3, COMMON["vocab_size"], (7,), generator=g).tolist()) + "\n"
+            for _ in range(20)))
+    preprocess.main(options.get_preprocessing_parser().parse_args([
+        "--only-source", "--srcdict", str(root / "ours" / "dict.txt"), "--trainpref", str(tmp_path / "train.txt"),
+        "--validpref", str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"), "--workers", "1"]))
+    flags = hf_lm.fairseq_flags(json.loads((root / "hf" / "config.json").read_text()), "config.json")
+    save = tmp_path / "save"
+    argv = lm_train_argv(str(tmp_path / "bin"), save, *flags, "--finetune-from-model", str(ckpt), "--max-update", "2",
+                         "--required-batch-size-multiple", "1", "--lr", "0", "--dropout", "0")
+    argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm"
+    Launched(2, save, argv).result()
+    assert (save / "checkpoint_last-rank-1.pt").exists()
+    after = shards.assemble(str(save / "checkpoint_last"))["model"]
+    before = torch.load(ckpt, weights_only=True)["model"]
+    assert after.keys() == before.keys()
+    assert [k for k in before if not torch.equal(after[k].to(before[k].dtype), before[k])] == []
