@@ -197,29 +197,37 @@ def test_nothing_is_overwritten(imported, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dict.txt"]
 
 
-@pytest.mark.parametrize("imported", ["qwen2_moe"], indirect=True)
-def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path, capsys):
-    """fairseq-train --finetune-from-model OUT.pt with the flags import_hf chose (hf_lm.fairseq_flags): 2 updates."""
+def fine_tune_argv(root, ckpt, folder, save, seed, *extra):
+    """fairseq-train's argv: 2 updates from the imported checkpoint (--finetune-from-model) with the flags import_hf
+    chose (hf_lm.fairseq_flags), on sentences of random HF ids binarised with the imported dict.txt into folder."""
     from fairseq import options
     from fairseq_cli import preprocess
 
     from fairseq_moe.checkpoints import hf_lm
-    from tests.fairseq_moe.helpers import lm_train_argv, run_train
+    from tests.fairseq_moe.helpers import lm_train_argv
 
-    _, hf, root, ckpt, _ = imported
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     for split in ("train", "valid"):
-        (tmp_path / f"{split}.txt").write_text("".join(
+        (folder / f"{split}.txt").write_text("".join(
             " ".join(f"hf{i}" for i in torch.randint(3, COMMON["vocab_size"], (7,), generator=g).tolist()) + "\n"
             for _ in range(20)))
     preprocess.main(options.get_preprocessing_parser().parse_args([
-        "--only-source", "--srcdict", str(root / "ours" / "dict.txt"), "--trainpref", str(tmp_path / "train.txt"),
-        "--validpref", str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"), "--workers", "1"]))
+        "--only-source", "--srcdict", str(root / "ours" / "dict.txt"), "--trainpref", str(folder / "train.txt"),
+        "--validpref", str(folder / "valid.txt"), "--destdir", str(folder / "bin"), "--workers", "1"]))
     flags = hf_lm.fairseq_flags(json.loads((root / "hf" / "config.json").read_text()), "config.json")
-    argv = lm_train_argv(str(tmp_path / "bin"), tmp_path / "save", *flags, "--finetune-from-model", str(ckpt),
-                         "--max-update", "2", "--required-batch-size-multiple", "1")
+    argv = lm_train_argv(str(folder / "bin"), save, *flags, "--finetune-from-model", str(ckpt), "--max-update", "2",
+                         "--required-batch-size-multiple", "1", *extra)
     argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm"
-    run_train(argv)
+    return argv
+
+
+@pytest.mark.parametrize("imported", ["qwen2_moe"], indirect=True)
+def test_fairseq_train_continues_from_the_imported_checkpoint(imported, tmp_path, capsys):
+    """fairseq-train --finetune-from-model OUT.pt with the flags import_hf chose (hf_lm.fairseq_flags): 2 updates."""
+    from tests.fairseq_moe.helpers import run_train
+
+    _, hf, root, ckpt, _ = imported
+    run_train(fine_tune_argv(root, ckpt, tmp_path, tmp_path / "save", seed=4))
     trained = tmp_path / "save" / "checkpoint_last.pt"
     state = torch.load(trained, weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == 2
@@ -251,29 +259,12 @@ def test_two_ranks_fine_tune_from_an_import(imported, tmp_path):
     """fairseq-train --finetune-from-model OUT.pt on 2 gloo ranks, the experts spread: each rank takes its experts out
     of the imported file (as from upcycle's); at learning rate 0 the set the ranks save holds the imported weights,
     every expert where it belongs."""
-    from fairseq import options
-    from fairseq_cli import preprocess
-
-    from fairseq_moe.checkpoints import hf_lm
     from fairseq_moe.checkpoints import sets as shards
-    from tests.fairseq_moe.helpers import lm_train_argv
     from tests.fairseq_moe.hooks.test_trainer_expert_parallel import Launched
 
     _, hf, root, ckpt, _ = imported
-    g = torch.Generator().manual_seed(6)
-    for split in ("train", "valid"):
-        (tmp_path / f"{split}.txt").write_text("".join(
-            " ".join(f"hf{i}" for i in torch.randint(3, COMMON["vocab_size"], (7,), generator=g).tolist()) + "\n"
-            for _ in range(20)))
-    preprocess.main(options.get_preprocessing_parser().parse_args([
-        "--only-source", "--srcdict", str(root / "ours" / "dict.txt"), "--trainpref", str(tmp_path / "train.txt"),
-        "--validpref", str(tmp_path / "valid.txt"), "--destdir", str(tmp_path / "bin"), "--workers", "1"]))
-    flags = hf_lm.fairseq_flags(json.loads((root / "hf" / "config.json").read_text()), "config.json")
     save = tmp_path / "save"
-    argv = lm_train_argv(str(tmp_path / "bin"), save, *flags, "--finetune-from-model", str(ckpt), "--max-update", "2",
-                         "--required-batch-size-multiple", "1", "--lr", "0", "--dropout", "0")
-    argv[argv.index("moe_transformer_lm_tiny")] = "moe_mixtral_lm"
-    Launched(2, save, argv).result()
+    Launched(2, save, fine_tune_argv(root, ckpt, tmp_path, save, 6, "--lr", "0", "--dropout", "0")).result()
     assert (save / "checkpoint_last-rank-1.pt").exists()
     after = shards.assemble(str(save / "checkpoint_last"))["model"]
     before = torch.load(ckpt, weights_only=True)["model"]
