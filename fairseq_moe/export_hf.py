@@ -88,18 +88,11 @@ def nllb_config(a, moe_layers, vocab):
     top_k = 1 if a.get("moe_top1_expert") else a.get("moe_top_k") or 2
     need(top_k == 2 and a.get("moe_eval_top_k") in (None, 2), f"--moe-top-k {top_k}", "is not 2 (NllbMoe routes "
          "top-2)")
-    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear"),
-                          ("moe_expert_kind", "ffn")):  # (NllbMoe's experts: fc1, act, fc2, with biases)
-        need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
+    hf_lm.check_plain_router(a, need, "ffn")  # (NllbMoe's experts: fc1, act, fc2, with biases; its eom is NLLB's)
     need(a.get("moe_gating_use_fp32", True), "--no-moe-gating-use-fp32", "is set")
     need(a.get("moe_topk_renormalize", True), "--no-moe-topk-renormalize", "is set (NllbMoe renormalises its "
          "top-2 weights)")
-    need(a.get("moe_routed_scaling_factor", 1.0) == 1.0,
-         f"--moe-routed-scaling-factor {a.get('moe_routed_scaling_factor')}", "is not 1")
-    need(not a.get("moe_cmr"), "--moe-cmr", "is on (transformers' NllbMoe has no conditional MoE routing)")
-    for flag in ("moe_bias_update_rate", "moe_shared_expert_count", "moe_fom"):
-        need(not a.get(flag), f"--{flag.replace('_', '-')} {a.get(flag)}", "is set")
-    need(a.get("moe_expert_groups", 1) == 1 and a.get("moe_topk_groups") is None, "--moe-expert-groups",
+    need(not a.get("moe_shared_expert_count"), f"--moe-shared-expert-count {a.get('moe_shared_expert_count')}",
          "is set")
     for side in ("encoder", "decoder"):
         ffn = a.get("moe_expert_ffn_dim")

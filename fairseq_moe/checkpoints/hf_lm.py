@@ -36,6 +36,23 @@ def expert_width(a):
     return a.get("moe_expert_ffn_dim") or a["decoder_ffn_embed_dim"]
 
 
+def check_plain_router(a, need, expert_kind):
+    """What transformers' MoE blocks (NllbMoe's and the four causal LMs') have not: need(ok, flag, why) on our
+    model's flags a for a routing other than softmax top-k of a linear gate, experts of another kind than
+    expert_kind, a routed scaling factor, a balancing bias, expert groups, final output masking, NLLB's CMR."""
+    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear"),
+                          ("moe_expert_kind", expert_kind)):
+        need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
+    need(a.get("moe_routed_scaling_factor", 1.0) == 1.0,
+         f"--moe-routed-scaling-factor {a.get('moe_routed_scaling_factor')}", "is not 1")
+    need(not a.get("moe_bias_update_rate"), f"--moe-bias-update-rate {a.get('moe_bias_update_rate')}",
+         "is set (a balancing bias)")
+    need(a.get("moe_expert_groups", 1) == 1 and a.get("moe_topk_groups") is None,
+         f"--moe-expert-groups {a.get('moe_expert_groups')}", "is set")
+    need(not a.get("moe_fom"), f"--moe-fom {a.get('moe_fom')}", "is set")
+    need(not a.get("moe_cmr"), "--moe-cmr", "is on")
+
+
 def hf_config(a, moe_layers, experts, vocab, specials):
     """(model_type, the HF config's arguments, what differs in training only) of our model's flags a, its MoE layer
     indices and expert count (from its weights), vocab rows and special ids {bos_token_id: id or None, ...}; or a
@@ -50,18 +67,9 @@ def hf_config(a, moe_layers, experts, vocab, specials):
     d, H, L = a["decoder_embed_dim"], a["decoder_attention_heads"], a["decoder_layers"]
     hd = a.get("decoder_head_dim") or d // H
     k = 1 if a.get("moe_top1_expert") else a.get("moe_top_k") or 2
-    for flag, default in (("moe_routing", "topk"), ("moe_score", "softmax"), ("moe_gate", "linear"),
-                          ("moe_expert_kind", "swiglu")):
-        need(a.get(flag, default) == default, f"--{flag.replace('_', '-')} {a.get(flag)}", f"is not {default}")
+    check_plain_router(a, need, "swiglu")
     need(a.get("moe_eval_top_k") in (None, k), f"--moe-eval-top-k {a.get('moe_eval_top_k')}", f"differs from k {k}")
-    need(a.get("moe_routed_scaling_factor", 1.0) == 1.0,
-         f"--moe-routed-scaling-factor {a.get('moe_routed_scaling_factor')}", "is not 1")
-    need(not a.get("moe_bias_update_rate"), f"--moe-bias-update-rate {a.get('moe_bias_update_rate')}",
-         "is set (a balancing bias)")
-    need(a.get("moe_expert_groups", 1) == 1, f"--moe-expert-groups {a.get('moe_expert_groups')}", "is set")
-    for flag in ("moe_eom", "moe_fom"):
-        need(not a.get(flag), f"--{flag.replace('_', '-')} {a.get(flag)}", "is set")
-    need(not a.get("moe_cmr"), "--moe-cmr", "is on")
+    need(not a.get("moe_eom"), f"--moe-eom {a.get('moe_eom')}", "is set")
     frac, cf = a.get("moe_eval_capacity_token_fraction", 0.0), a.get("moe_capacity_factor", 1.0)
     need(frac == 0 or (frac < 0 and cf == 0), f"--moe-eval-capacity-token-fraction {frac}",
          "drops tokens at evaluation (HF's MoE blocks are dropless: 0)")
