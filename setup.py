@@ -30,8 +30,8 @@ setup(
         # package) or, without it, tensorboardX: the small one.
         "tensorboardX",
     ],
-    # transformers: only to check NLLB-MoE conversions against its NllbMoe (tests/fairseq_moe/test_export_hf.py); 4.57 is
-    # the last series with NllbMoe beside torch 2.13. Never needed to train.
+    # transformers: export_hf / import_hf, and the tests that check them and moe_mixtral_lm against its NllbMoe, Mixtral,
+    # Qwen2-MoE, Qwen3-MoE and OLMoE; 4.57 is the last series with NllbMoe beside torch 2.13. Never needed to train.
     extras_require={"test": ["pytest>=7", "pytest-xdist>=3", "transformers>=4.57,<4.58"],
                     "hf": ["transformers>=4.57,<4.58"]},
 )
